@@ -1,0 +1,154 @@
+"""The driver's control server: rendezvous, then the channel every rank reports through.
+
+Each rank connects, proves the run's secret, answers a few clock probes and registers its
+host and ring listener. Once all `np` ranks have registered, every rank receives the peer
+table and the task. From then on the server turns what ranks send into `ddl_magic.events`
+on one queue, which the driver's main thread drains. A connection that fails the handshake
+is dropped without disturbing the run.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+from .events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from .protocol import AuthenticationError, Channel, PeerClosedError
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class ControlServer:
+    """Listens for the ranks of one run and relays their messages as events.
+
+    `bind_host` is where to listen ("127.0.0.1" for local ranks, "0.0.0.0" for Spark) and
+    `advertised_host` the address ranks connect to.
+    """
+
+    def __init__(self, secret: bytes, np: int, task: bytes, settings: dict, events: queue.Queue,
+                 bind_host: str = "127.0.0.1", advertised_host: str = "127.0.0.1"):
+        self.np = np
+        self.events = events
+        self._secret = secret
+        self._task = task
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._channels: dict[int, Channel] = {}
+        self._registrations: dict[int, tuple] = {}
+        self._finished: set[int] = set()
+        self._closed = False
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((bind_host, 0))
+        self._listener.listen(max(16, 2 * np))
+        self.address = (advertised_host, self._listener.getsockname()[1])
+        self._acceptor = threading.Thread(target=self._accept_loop, name="ddl-control-accept",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def registered(self) -> set[int]:
+        with self._lock:
+            return set(self._registrations)
+
+    def abort(self, reason: str) -> None:
+        """Tell every connected rank to stop now."""
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            try:
+                channel.send(("abort", reason))
+            except OSError:
+                pass  # already gone
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = list(self._channels.values())
+        self._listener.close()
+        for channel in channels:
+            channel.close()
+        self._acceptor.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock,), name="ddl-control-rank",
+                             daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            channel, _ = Channel.accept(sock, self._secret, {"control"}, HANDSHAKE_TIMEOUT_S)
+        except (OSError, AuthenticationError, PeerClosedError):
+            return  # a stranger, or garbage: refused, and the run goes on
+        rank = None
+        try:
+            rank = self._register(channel)
+            if rank is not None:
+                self._relay(channel, rank)
+        except (OSError, PeerClosedError, EOFError):
+            pass
+        finally:
+            channel.close()
+            if rank is not None:
+                self._connection_ended(rank)
+
+    def _register(self, channel: Channel) -> int | None:
+        channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        while True:
+            message = channel.recv()
+            if message[0] == "clock":
+                channel.send(("clock", time.monotonic_ns()))
+                continue
+            break
+        channel.sock.settimeout(None)
+        _, rank, host, ring_address, pid = message
+        with self._lock:
+            if self._closed or not 0 <= rank < self.np or rank in self._registrations:
+                channel.send(("abort", f"rank {rank} is not expected in this run"))
+                return None
+            self._channels[rank] = channel
+            self._registrations[rank] = (rank, host, tuple(ring_address))
+            everyone_here = len(self._registrations) == self.np
+        self.events.put(RankStarted(rank, host, pid))
+        if everyone_here:
+            self._start_all()
+        return rank
+
+    def _start_all(self) -> None:
+        with self._lock:
+            peers = [self._registrations[rank] for rank in range(self.np)]
+            channels = dict(self._channels)
+        for rank, channel in channels.items():
+            channel.send(("start", peers, self._task, self._settings))
+
+    def _relay(self, channel: Channel, rank: int) -> None:
+        host = self._registrations[rank][1]
+        while True:
+            message = channel.recv()
+            kind = message[0]
+            if kind == "out":
+                _, stream, lines = message
+                for text, replace in lines:
+                    self.events.put(RankOutput(rank, stream, text, replace))
+            elif kind == "timeline":
+                self.events.put(TimelineBatch(rank, message[1]))
+            elif kind == "done":
+                self._finished.add(rank)
+                self.events.put(RankFinished(rank, message[1]))
+            elif kind == "failed":
+                self._finished.add(rank)
+                self.events.put(RankFailed(rank, host, message[1], message[2]))
+
+    def _connection_ended(self, rank: int) -> None:
+        with self._lock:
+            self._channels.pop(rank, None)
+            closed = self._closed
+        if rank not in self._finished and not closed:
+            host = self._registrations[rank][1]
+            self.events.put(RankFailed(rank, host, "", "connection lost"))

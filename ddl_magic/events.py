@@ -1,0 +1,67 @@
+"""What the driver hears from the ranks during a run.
+
+Every rank's control connection turns its messages into these events and puts them on one
+queue; the notebook's main thread drains that queue and hands each event to the display
+(the run view widget, or the text printer outside a notebook). Keeping the events plain
+dataclasses lets the display be tested without any processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    """A rank connected, proved the run's secret and registered."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """Text a rank wrote to stdout or stderr.
+
+    ``text`` is one line without its line ending. ``replace`` is true when the line ended
+    with a carriage return (a tqdm bar redrawing itself): it replaces the rank's previous
+    ``replace`` line instead of adding a new one.
+    """
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    text: str
+    replace: bool = False
+
+
+@dataclass(frozen=True)
+class RankFinished:
+    """A rank's function returned; ``result`` is its cloudpickled return value (or None)."""
+
+    rank: int
+    result: bytes | None = None
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    """A rank raised, exited or vanished. ``traceback`` is the text to show the user."""
+
+    rank: int
+    host: str
+    traceback: str
+    reason: str  # "exception", "exit code N", "killed by SIGKILL", "connection lost", ...
+
+
+@dataclass(frozen=True)
+class TimelineBatch:
+    """Timeline events recorded on a rank, already on the driver's clock.
+
+    Each event is ``(lane, name, start_us, duration_us, args)`` with ``args`` a dict or None.
+    """
+
+    rank: int
+    events: list = field(default_factory=list)
+
+
+Event = RankStarted | RankOutput | RankFinished | RankFailed | TimelineBatch

@@ -1,0 +1,280 @@
+"""One run of a task on `np` ranks, seen from the driver: launch, watch, stop, report.
+
+The driver's main thread sits in `Job.run`'s loop, draining the one event queue that the
+control server and the launcher feed. That is what makes the notebook's stop button work:
+KeyboardInterrupt is raised in this loop, and the loop's cleanup stops every rank. The same
+cleanup runs on success, on the first failing rank, and on a timeout, so no process,
+thread, port or Spark job outlives the run.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from .control import ControlServer
+from .events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from .launch.local import ProcessExited, describe_exit
+from .protocol import new_secret
+from .trace_writer import TraceWriter
+from .ui import make_display
+
+REFRESH_INTERVAL_S = 0.1
+# After a first failure, how long to wait for the other ranks' reports before choosing
+# which failure to show: a rank that died and the neighbour that noticed it arrive together.
+FAILURE_SETTLE_S = 0.3
+START_TIMEOUT_S = 120.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
+
+    def __init__(self, rank: int, host: str, reason: str, traceback: str, run: "RunResult"):
+        where = f"rank {rank} ({host})" if host else f"rank {rank}"
+        super().__init__(f"{where} failed: {reason}" + (f"\n\n{traceback}" if traceback else ""))
+        self.rank, self.host, self.reason, self.traceback, self.run = rank, host, reason, traceback, run
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    host: str = ""
+    pid: int | None = None
+    status: str = "starting"  # starting, running, done, failed, stopped
+    reason: str = ""
+    started_at: float | None = None
+    ended_at: float | None = None
+    exit_code: int | None = None
+    log_path: str = ""
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return (self.ended_at or time.time()) - self.started_at
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind for later cells (`ddl_magic.last_run()`)."""
+
+    run_id: str
+    np: int
+    where: str
+    status: str = "running"  # running, done, failed, interrupted, timed out
+    ranks: list[RankRecord] = field(default_factory=list)
+    result: Any = None
+    results: list[Any] | None = None
+    log_dir: str = ""
+    timeline_path: str | None = None
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    error: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return (self.ended_at or time.time()) - self.started_at
+
+    def log(self, rank: int) -> str:
+        """The full output of one rank."""
+        with open(self.ranks[rank].log_path, encoding="utf-8") as f:
+            return f.read()
+
+
+_last_run: RunResult | None = None
+
+
+def last_run() -> RunResult | None:
+    """The record of the most recent run in this process (None before the first)."""
+    return _last_run
+
+
+@dataclass
+class JobOptions:
+    timeout_s: float | None = None
+    timeline_path: str | None = None
+    return_all: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    quiet: bool = False
+    title: str = ""
+
+
+class Job:
+    """Runs one task on `np` ranks through a launcher (local processes or Spark)."""
+
+    def __init__(self, task: object, np: int, launcher, options: JobOptions):
+        self.task_bytes = task if isinstance(task, bytes) else cloudpickle.dumps(task)
+        self.np = np
+        self.launcher = launcher
+        self.options = options
+
+    def run(self) -> RunResult:
+        global _last_run
+        options = self.options
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic", "runs", run_id)
+        os.makedirs(log_dir, exist_ok=True)
+        record = RunResult(run_id, self.np, self.launcher.where, log_dir=log_dir,
+                           timeline_path=options.timeline_path)
+        record.ranks = [RankRecord(r, log_path=os.path.join(log_dir, f"rank-{r}.log"))
+                        for r in range(self.np)]
+        _last_run = record
+        self.launcher.check(self.np)
+        events: queue.Queue = queue.Queue()
+        settings = {"env": options.env, "timeline": options.timeline_path is not None,
+                    "return_all": options.return_all}
+        secret = new_secret()
+        server = ControlServer(secret, self.np, self.task_bytes, settings, events,
+                               self.launcher.bind_host, self.launcher.advertised_host)
+        display = make_display(self.np, quiet=options.quiet, log_dir=log_dir, title=options.title)
+        watcher = _RunWatcher(record, display, options.timeline_path)
+        outcome = "failed"
+        try:
+            display.display()
+            self.launcher.start(self.np, server.address, secret, events)
+            watcher.watch(events, server, options.timeout_s)
+            outcome = "done"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            raise
+        finally:
+            if outcome != "done":
+                server.abort("the run was interrupted" if outcome == "interrupted" else "the run failed")
+            self.launcher.stop()
+            server.close()
+            watcher.drain(events)
+            watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+        return record
+
+
+class _RunWatcher:
+    """Applies events to the run record, the display, the log files and the timeline."""
+
+    def __init__(self, record: RunResult, display, timeline_path: str | None):
+        self.record = record
+        self.display = display
+        self._logs = {r.rank: open(r.log_path, "a", encoding="utf-8", buffering=1)
+                      for r in record.ranks}
+        self._trace = TraceWriter(timeline_path) if timeline_path else None
+        self._results: dict[int, bytes | None] = {}
+        self._failures: list[RankFailed] = []
+        self._last_refresh = 0.0
+
+    def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
+        """Handle events until every rank finished; raise RankFailedError on the first failure."""
+        started = time.monotonic()
+        first_failure_at = None
+        while len(self._results) < self.record.np:
+            now = time.monotonic()
+            if first_failure_at is not None and now - first_failure_at >= FAILURE_SETTLE_S:
+                break
+            if timeout_s is not None and now - started > timeout_s:
+                self.record.status = "timed out"
+                server.abort(f"the run exceeded its timeout of {timeout_s:g} s")
+                raise TimeoutError(
+                    f"the run exceeded --timeout {timeout_s:g} s; all ranks were stopped. "
+                    f"Logs: {self.record.log_dir}")
+            if now - started > START_TIMEOUT_S and len(server.registered) < self.record.np:
+                missing = sorted(set(range(self.record.np)) - server.registered)
+                self.record.status = "failed"
+                raise RuntimeError(
+                    f"ranks {missing} did not connect within {START_TIMEOUT_S:.0f} s "
+                    f"({self.record.where}); see their logs in {self.record.log_dir}")
+            try:
+                event = events.get(timeout=REFRESH_INTERVAL_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self.handle(event)
+                if self._failures and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+                    server.abort(f"rank {self._failures[0].rank} failed")
+            self._refresh()
+        if self._failures:
+            self._raise_failure()
+        self.record.status = "done"
+        self._collect_results()
+
+    def handle(self, event) -> None:
+        record = self.record
+        if isinstance(event, ProcessExited):
+            rank = record.ranks[event.rank]
+            rank.exit_code = event.returncode
+            if event.rank not in self._results and rank.status not in ("failed", "done"):
+                self.handle(RankFailed(event.rank, rank.host, "", describe_exit(event.returncode)))
+            return
+        if isinstance(event, TimelineBatch):
+            if self._trace is not None:
+                self._trace.write(event.rank, event.events)
+            return
+        rank = record.ranks[event.rank]
+        if isinstance(event, RankStarted):
+            rank.host, rank.pid, rank.status, rank.started_at = event.host, event.pid, "running", time.time()
+            if self._trace is not None:
+                self._trace.add_rank(event.rank, event.host)
+        elif isinstance(event, RankOutput):
+            self._logs[event.rank].write(event.text + "\n")
+        elif isinstance(event, RankFinished):
+            rank.status, rank.ended_at = "done", time.time()
+            self._results[event.rank] = event.result
+        elif isinstance(event, RankFailed):
+            if rank.status == "failed":
+                return  # the process exit and the lost connection report the same failure
+            rank.status, rank.ended_at, rank.reason = "failed", time.time(), event.reason
+            if event.traceback:
+                self._logs[event.rank].write(event.traceback)
+            self._failures.append(event)
+        self.display.handle(event)
+
+    def drain(self, events: queue.Queue) -> None:
+        """Handle what arrived while stopping (last lines, exit codes)."""
+        while True:
+            try:
+                self.handle(events.get_nowait())
+            except queue.Empty:
+                return
+
+    def close(self, status: str) -> None:
+        record = self.record
+        record.status = status
+        record.ended_at = time.time()
+        for rank in record.ranks:
+            if rank.status in ("starting", "running"):
+                rank.status, rank.ended_at = "stopped", time.time()
+        for log in self._logs.values():
+            log.close()
+        if self._trace is not None:
+            self._trace.close()
+        self.display.finish({"done": "done", "interrupted": "interrupted"}.get(status, "failed"))
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh >= REFRESH_INTERVAL_S:
+            self._last_refresh = now
+            self.display.refresh()
+
+    def _raise_failure(self) -> None:
+        """Raise for the failure that caused the others (not a neighbour that lost its peer)."""
+        causes = [f for f in self._failures if f.reason != "lost a peer"] or self._failures
+        first = causes[0]
+        # A dead process reports "connection lost" first; its exit code says more.
+        rank = self.record.ranks[first.rank]
+        reason = first.reason
+        if reason == "connection lost" and rank.exit_code is not None:
+            reason = describe_exit(rank.exit_code)
+        self.record.status = "failed"
+        self.record.error = f"rank {first.rank} failed: {reason}"
+        raise RankFailedError(first.rank, first.host, reason, first.traceback, self.record)
+
+    def _collect_results(self) -> None:
+        values = [cloudpickle.loads(b) if b is not None else None
+                  for _, b in sorted(self._results.items())]
+        self.record.result = values[0]
+        self.record.results = values

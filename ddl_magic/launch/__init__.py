@@ -1,0 +1,1 @@
+"""Launchers start the ranks of a run: local processes, or Spark barrier tasks."""

@@ -1,0 +1,185 @@
+"""The one wire protocol of ddl_magic: length-prefixed frames over TCP, after mutual proof of the secret.
+
+Every connection of a run (rank -> driver control, rank -> rank ring and coordination) opens
+with the same handshake, so no byte a stranger sends is ever unpickled::
+
+    server                                   client
+      ── hello: 32 random bytes (nonce_s) ──►
+      ◄── nonce_c + HMAC(secret, "client" | nonce_s | nonce_c | purpose) + purpose ──
+      ── HMAC(secret, "server" | nonce_c | nonce_s | purpose) ──►
+
+Both sides prove they hold the run's secret, and the `purpose` string (``"control"``,
+``"ring"``, ``"coord"``) is bound into the proof, so a proof cannot be replayed on another
+kind of connection; the server accepts only the purposes it expects. Until the handshake succeeds a frame may be at most
+``_HANDSHAKE_FRAME_LIMIT`` bytes; a peer that sends anything else is dropped.
+
+After the handshake, `Channel.send` / `Channel.recv` carry pickled Python objects. Bulk
+tensor data between ring neighbours does not use frames at all: both sides know the sizes,
+so the ring sends raw bytes with `socket.sendall` and `socket.recv_into` (see
+`ddl_magic.runtime.transport`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+
+_LENGTH = struct.Struct("!Q")
+_NONCE_BYTES = 32
+_HANDSHAKE_FRAME_LIMIT = 256
+
+
+class AuthenticationError(ConnectionError):
+    """The peer could not prove it holds the run's secret (or sent something else entirely)."""
+
+
+class PeerClosedError(ConnectionError):
+    """The peer closed the connection (or its process died)."""
+
+
+def new_secret() -> bytes:
+    """A fresh per-run secret: 32 random bytes, never printed or put on a command line."""
+    return os.urandom(32)
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Low latency for small messages, and keepalive so a vanished host is noticed in seconds."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `sock`, or raise PeerClosedError if the peer goes away first."""
+    received = 0
+    total = len(view)
+    while received < total:
+        n = sock.recv_into(view[received:], total - received)
+        if n == 0:
+            raise PeerClosedError("connection closed by peer")
+        received += n
+
+
+def _send_frame(sock: socket.socket, data: bytes) -> None:
+    header = _LENGTH.pack(len(data))
+    if len(data) < 65536:
+        sock.sendall(header + data)  # one segment: small control messages stay one round of latency
+    else:
+        sock.sendall(header)
+        sock.sendall(data)  # no copy of a large payload just to prepend eight bytes
+
+
+def _recv_frame(sock: socket.socket, limit: int | None = None) -> bytes:
+    header = bytearray(_LENGTH.size)
+    recv_exactly(sock, memoryview(header))
+    (length,) = _LENGTH.unpack(header)
+    if limit is not None and length > limit:
+        raise AuthenticationError(f"handshake frame of {length} bytes refused (limit {limit})")
+    body = bytearray(length)
+    recv_exactly(sock, memoryview(body))
+    return bytes(body)
+
+
+def _proof(secret: bytes, role: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, role + b"|" + b"|".join(parts), hashlib.sha256).digest()
+
+
+def _handshake_as_server(sock: socket.socket, secret: bytes, purposes: set[str]) -> str:
+    nonce_s = os.urandom(_NONCE_BYTES)
+    _send_frame(sock, nonce_s)
+    answer = _recv_frame(sock, limit=_HANDSHAKE_FRAME_LIMIT)
+    nonce_c, proof, purpose = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:64], answer[64:]
+    if purpose.decode(errors="replace") not in purposes or not hmac.compare_digest(
+        proof, _proof(secret, b"client", nonce_s, nonce_c, purpose)
+    ):
+        raise AuthenticationError("peer did not prove the run's secret")
+    _send_frame(sock, _proof(secret, b"server", nonce_c, nonce_s, purpose))
+    return purpose.decode()
+
+
+def _handshake_as_client(sock: socket.socket, secret: bytes, purpose: str) -> str:
+    nonce_s = _recv_frame(sock, limit=_HANDSHAKE_FRAME_LIMIT)
+    if len(nonce_s) != _NONCE_BYTES:
+        raise AuthenticationError("server sent a malformed hello")
+    nonce_c = os.urandom(_NONCE_BYTES)
+    tag = purpose.encode()
+    _send_frame(sock, nonce_c + _proof(secret, b"client", nonce_s, nonce_c, tag) + tag)
+    proof = _recv_frame(sock, limit=_HANDSHAKE_FRAME_LIMIT)
+    if not hmac.compare_digest(proof, _proof(secret, b"server", nonce_c, nonce_s, tag)):
+        raise AuthenticationError("server did not prove the run's secret")
+    return purpose
+
+
+class Channel:
+    """An authenticated connection carrying pickled messages; `send` is safe from many threads."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    @classmethod
+    def accept(cls, sock: socket.socket, secret: bytes, purposes: set[str],
+               timeout: float) -> tuple["Channel", str]:
+        """Run the server side of the handshake on an accepted socket (closing it on failure).
+
+        Returns the channel and the purpose the client proved, one of `purposes`.
+        """
+        return cls._authenticate(sock, timeout, lambda: _handshake_as_server(sock, secret, purposes))
+
+    @classmethod
+    def connect(
+        cls, address: tuple[str, int], secret: bytes, purpose: str, timeout: float
+    ) -> "Channel":
+        """Connect to `address` and run the client side of the handshake.
+
+        Retries refused connections until `timeout` (the peer may still be starting).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except (ConnectionRefusedError, socket.timeout):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)  # the listener is still starting: retry, bounded by the deadline
+        channel, _ = cls._authenticate(
+            sock, deadline - time.monotonic(), lambda: _handshake_as_client(sock, secret, purpose)
+        )
+        return channel
+
+    @classmethod
+    def _authenticate(cls, sock: socket.socket, timeout: float, handshake) -> tuple["Channel", str]:
+        tune_socket(sock)
+        sock.settimeout(max(0.1, timeout))
+        try:
+            purpose = handshake()
+        except (OSError, AuthenticationError):
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return cls(sock), purpose
+
+    def send(self, message: object) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            _send_frame(self.sock, data)
+
+    def recv(self) -> object:
+        return pickle.loads(_recv_frame(self.sock))
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

@@ -1,0 +1,109 @@
+"""The runtime's process-wide state: what `init()` builds and `shutdown()` tears down.
+
+A rank started by a launcher finds its `RankBootstrap` here (set by the worker before the
+user's code runs); a script run with plain `python` has none and becomes a world of one.
+Per-process state (the listener, the secret) lives in the bootstrap so that a process can
+`init()` again after `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+from .errors import NotInitializedError
+from .op_queue import OpQueue
+from .transport import RingTransport, connect_ring
+from .world import Peer, World, derive_world, single_process_world
+
+
+@dataclass
+class RankBootstrap:
+    """Everything a launched rank knows before `init()`: set by `ddl_magic.worker`."""
+
+    rank: int
+    peers: list[Peer]
+    secret: bytes
+    listener: socket.socket
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tunables, read from the environment names Horovod users already know."""
+
+    fusion_threshold: int
+    cycle_time_s: float
+    stall_time_s: float
+    timeout_s: float
+
+    @classmethod
+    def from_environment(cls) -> "Settings":
+        def number(names: tuple[str, ...], default: float) -> float:
+            for name in names:
+                if os.environ.get(name):
+                    try:
+                        return float(os.environ[name])
+                    except ValueError:
+                        raise ValueError(f"{name}={os.environ[name]!r} is not a number") from None
+            return default
+
+        return cls(
+            fusion_threshold=int(number(("HOROVOD_FUSION_THRESHOLD",), 128 * 1024 * 1024)),
+            cycle_time_s=number(("HOROVOD_CYCLE_TIME",), 1.0) / 1000.0,
+            stall_time_s=number(("HOROVOD_STALL_CHECK_TIME_SECONDS",), 60.0),
+            timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
+        )
+
+
+@dataclass
+class Runtime:
+    world: World
+    queue: OpQueue
+
+
+bootstrap: RankBootstrap | None = None
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def init() -> Runtime:
+    """Form the ring (or a world of one). Calling it again while initialised is harmless."""
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        settings = Settings.from_environment()
+        if bootstrap is None:
+            world = single_process_world()
+            transport = RingTransport(world, None, None, {}, settings.timeout_s)
+        else:
+            world = derive_world(bootstrap.rank, bootstrap.peers)
+            transport = connect_ring(world, bootstrap.listener, bootstrap.secret,
+                                     timeout=settings.timeout_s, op_timeout=settings.timeout_s)
+        queue = OpQueue(transport, settings.fusion_threshold, settings.cycle_time_s,
+                        settings.stall_time_s)
+        _runtime = Runtime(world, queue)
+        return _runtime
+
+
+def shutdown() -> None:
+    """Stop the background thread and close the ring. Harmless when not initialised."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is not None:
+        runtime.queue.close()
+
+
+def current(api_name: str) -> Runtime:
+    """The initialised runtime, or a clear error naming the API that was called too early."""
+    runtime = _runtime
+    if runtime is None:
+        raise NotInitializedError(api_name)
+    return runtime
+
+
+def is_initialized() -> bool:
+    return _runtime is not None

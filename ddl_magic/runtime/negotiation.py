@@ -1,0 +1,234 @@
+"""Deciding, across ranks, which collectives run next and in what order (Horovod's model).
+
+Ranks submit collectives in whatever order their code reaches them. Before data moves, all
+ranks must agree on *which* tensors to process and in *which* order, or the ring would pair
+rank 0's gradient A with rank 1's gradient B. Rank 0 coordinates:
+
+1. every rank sends rank 0 the requests it has submitted (name, kind, dtype, shape, op);
+2. rank 0 collects them per name; a name is ready once every rank has submitted it, and its
+   requests are checked to agree (a mismatch becomes an error response naming the ranks);
+3. rank 0 answers every rank with the same list of responses, fusing ready allreduces of the
+   same dtype and op into one response up to the fusion threshold;
+4. every rank executes the responses in that order.
+
+Steady state is cheap: once a name has been negotiated, rank 0 gives its request a cache id
+and ranks resubmit an unchanged request as that small integer.
+
+Rank 0 waits up to the cycle time after the first ready tensor so that more can join the
+same fused buffer, except when some rank is already blocked waiting for a ready tensor: then
+waiting would only add latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rank's description of one named collective."""
+
+    name: str
+    kind: str  # "allreduce", "allgather", "broadcast" or "barrier"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    op: int = 0
+    root: int = 0
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        text = f"{self.kind} {dtype}{list(self.shape)}"
+        if self.kind == "allreduce":
+            text += f" op={self.op} prescale={self.prescale} postscale={self.postscale}"
+        if self.kind == "broadcast":
+            text += f" root={self.root}"
+        return text
+
+    def agrees_with(self, other: "Request") -> bool:
+        """Can these two ranks' requests run as one collective?"""
+        if (self.kind, self.dtype) != (other.kind, other.dtype):
+            return False
+        if self.kind == "allgather":  # ranks may contribute different first dimensions
+            return self.shape[1:] == other.shape[1:] and len(self.shape) == len(other.shape)
+        if self.kind == "broadcast":
+            return (self.shape, self.root) == (other.shape, other.root)
+        if self.kind == "allreduce":
+            return (self.shape, self.op, self.prescale, self.postscale) == (
+                other.shape, other.op, other.prescale, other.postscale)
+        return True
+
+
+@dataclass(frozen=True)
+class Response:
+    """What every rank executes next: one collective over `names` (several when fused)."""
+
+    kind: str
+    names: tuple[str, ...]
+    error: str | None = None
+    first_dims: tuple[int, ...] = ()  # allgather: each rank's first dimension, in rank order
+
+
+@dataclass
+class Cycle:
+    """Rank 0's answer to all ranks: the responses, and new cache ids for their requests."""
+
+    responses: list[Response]
+    cache_updates: dict[int, Request] = field(default_factory=dict)
+
+
+class RequestCache:
+    """A rank's side of the response cache: resubmits a known request as its id."""
+
+    def __init__(self):
+        self._by_name: dict[str, tuple[int, Request]] = {}
+
+    def encode(self, request: Request) -> "Request | int":
+        cached = self._by_name.get(request.name)
+        return cached[0] if cached is not None and cached[1] == request else request
+
+    def update(self, updates: dict[int, Request]) -> None:
+        for cache_id, request in updates.items():
+            self._by_name[request.name] = (cache_id, request)
+
+
+class Coordinator:
+    """Rank 0's bookkeeping: who submitted what, what is ready, and what to run next."""
+
+    def __init__(self, size: int, fusion_threshold: int, cycle_time_s: float, stall_time_s: float):
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self.cycle_time_s = cycle_time_s
+        self.stall_time_s = stall_time_s
+        self._submitted: dict[str, dict[int, Request]] = {}
+        self._first_seen: dict[str, float] = {}
+        self._ready: list[str] = []
+        self._ready_since: float | None = None
+        self._waited: set[str] = set()
+        self._stall_warned: set[str] = set()
+        self._cache: dict[int, Request] = {}
+        self._cache_id_of: dict[Request, int] = {}
+
+    def submit(self, rank: int, requests: list["Request | int"], now: float) -> None:
+        """Record requests from `rank` (full requests, or cache ids of unchanged ones)."""
+        for item in requests:
+            request = self._cache[item] if isinstance(item, int) else item
+            by_rank = self._submitted.setdefault(request.name, {})
+            if rank in by_rank:
+                raise ValueError(
+                    f"rank {rank} submitted tensor {request.name!r} twice before it completed: "
+                    "give concurrent collectives distinct names"
+                )
+            by_rank[rank] = request
+            self._first_seen.setdefault(request.name, now)
+            if len(by_rank) == self.size:
+                self._ready.append(request.name)
+                if self._ready_since is None:
+                    self._ready_since = now
+
+    def note_waited(self, names: list[str]) -> None:
+        """Some rank is blocked in synchronize() on these names: don't hold them for fusion."""
+        self._waited.update(names)
+
+    def next_deadline(self) -> float | None:
+        """When `take_cycle` will have something to do even if no message arrives."""
+        deadlines = []
+        if self._ready_since is not None:
+            deadlines.append(self._ready_since + self.cycle_time_s)
+        waiting = [t for name, t in self._first_seen.items()
+                   if name not in self._stall_warned and name not in self._ready]
+        if waiting:
+            deadlines.append(min(waiting) + self.stall_time_s)
+        return min(deadlines) if deadlines else None
+
+    def take_cycle(self, now: float) -> Cycle | None:
+        """The responses to run now, or None to keep collecting (cycle window still open)."""
+        if not self._ready:
+            return None
+        ready_bytes = sum(self._submitted[name][0].nbytes for name in self._ready)
+        flush = (
+            any(name in self._waited for name in self._ready)
+            or now - self._ready_since >= self.cycle_time_s
+            or ready_bytes >= self.fusion_threshold
+        )
+        if not flush:
+            return None
+        cycle = Cycle(responses=[])
+        slots: list[Response | list[str]] = []  # a list is a fusion group still filling up
+        groups: dict[tuple, list[str]] = {}
+        group_bytes: dict[tuple, int] = {}
+        for name in self._ready:
+            requests = self._submitted.pop(name)
+            del self._first_seen[name]
+            self._waited.discard(name)
+            self._stall_warned.discard(name)
+            response = self._respond(name, requests)
+            request = requests[0]
+            if response.error is None:
+                self._remember(request, cycle)
+            if response.error is not None or response.kind != "allreduce":
+                slots.append(response)
+                continue
+            key = (request.dtype, request.op, request.prescale, request.postscale)
+            if key in groups and group_bytes[key] + request.nbytes <= self.fusion_threshold:
+                groups[key].append(name)
+                group_bytes[key] += request.nbytes
+            else:
+                groups[key] = [name]
+                group_bytes[key] = request.nbytes
+                slots.append(groups[key])
+        self._ready.clear()
+        self._ready_since = None
+        cycle.responses = [Response("allreduce", tuple(slot)) if isinstance(slot, list) else slot
+                           for slot in slots]
+        return cycle
+
+    def stall_warnings(self, now: float) -> list[str]:
+        """One warning per tensor that some ranks submitted and others have not, for too long."""
+        warnings = []
+        for name, since in self._first_seen.items():
+            if name in self._stall_warned or now - since < self.stall_time_s:
+                continue
+            self._stall_warned.add(name)
+            have = sorted(self._submitted[name])
+            missing = sorted(set(range(self.size)) - set(have))
+            warnings.append(
+                f"stall: tensor {name!r} was submitted by ranks {have} {now - since:.0f} s ago, "
+                f"but ranks {missing} have not submitted it. Ranks may be calling collectives in "
+                "different orders or with different names, or one rank skipped a step."
+            )
+        return warnings
+
+    def _respond(self, name: str, requests: dict[int, Request]) -> Response:
+        first = requests[0]
+        disagreeing = [rank for rank in range(1, self.size) if not requests[rank].agrees_with(first)]
+        if disagreeing:
+            details = "; ".join(f"rank {rank}: {requests[rank].describe()}"
+                                for rank in [0] + disagreeing)
+            return Response(first.kind, (name,), error=(
+                f"mismatched collective for tensor {name!r} between ranks {[0] + disagreeing}: "
+                f"{details}. Every rank must submit the same shape, dtype and op under one name."
+            ))
+        if first.kind == "allgather":
+            dims = tuple(requests[rank].shape[0] if requests[rank].shape else 1
+                         for rank in range(self.size))
+            return Response("allgather", (name,), first_dims=dims)
+        return Response(first.kind, (name,))
+
+    def _remember(self, request: Request, cycle: Cycle) -> None:
+        if request in self._cache_id_of or request.kind == "allgather":
+            return  # allgather shapes vary per rank: not cacheable by one request
+        cache_id = len(self._cache)
+        self._cache[cache_id] = request
+        self._cache_id_of[request] = cache_id
+        cycle.cache_updates[cache_id] = request

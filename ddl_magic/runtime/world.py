@@ -1,0 +1,68 @@
+"""Who is who in a run: every rank's address, and the local/cross numbering derived from hosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One rank as the others see it: where it runs and where its ring listener waits."""
+
+    rank: int
+    host: str
+    address: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class World:
+    """This rank's place among all ranks of a run.
+
+    ``local_rank``/``local_size`` number the ranks on this rank's host; ``cross_rank``/
+    ``cross_size`` number the hosts, ordered by their lowest rank (Horovod's definitions:
+    ranks with the same local_rank on different hosts form one cross communicator).
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    peers: tuple[Peer, ...]
+
+    def describe(self, rank: int) -> str:
+        """'rank 3 on host-b', for error messages."""
+        return f"rank {rank} on {self.peers[rank].host}" if self.peers else f"rank {rank}"
+
+
+def derive_world(rank: int, peers: list[Peer]) -> World:
+    """Number ranks within their host and hosts within the run.
+
+    >>> peers = [Peer(0, "a", ("a", 1)), Peer(1, "b", ("b", 1)), Peer(2, "a", ("a", 2))]
+    >>> w = derive_world(2, peers)
+    >>> (w.local_rank, w.local_size, w.cross_rank, w.cross_size)
+    (1, 2, 0, 2)
+    """
+    hosts_in_order = list(dict.fromkeys(p.host for p in sorted(peers, key=lambda p: p.rank)))
+    host = peers[rank].host
+    same_host = [p.rank for p in peers if p.host == host]
+    local_rank = same_host.index(rank)
+    # Horovod: cross_rank is this host's index among the hosts that have a rank with our local_rank.
+    hosts_with_local_rank = [
+        h for h in hosts_in_order if local_rank < sum(1 for p in peers if p.host == h)
+    ]
+    return World(
+        rank=rank,
+        size=len(peers),
+        local_rank=local_rank,
+        local_size=len(same_host),
+        cross_rank=hosts_with_local_rank.index(host),
+        cross_size=len(hosts_with_local_rank),
+        peers=tuple(peers),
+    )
+
+
+def single_process_world() -> World:
+    """The world of a script run without a launcher: one rank, no network."""
+    return World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, peers=())

@@ -1,0 +1,39 @@
+"""Horovod's PyTorch API on ddl_magic's runtime: port a script by changing one import.
+
+    import ddl_magic.torch as hvd        # was: import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for x, y in shard_of_data(hvd.rank(), hvd.size()):
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+"""
+
+from ..runtime.errors import HorovodInternalError
+from .compression import Compression
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+                  allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
+                  broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allreduce,
+                  grouped_allreduce_async, init, is_initialized, local_rank, local_size, poll,
+                  rank, shutdown, size, synchronize)
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_async", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "broadcast_object", "allgather_object", "barrier",
+    "poll", "synchronize",
+    "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "HorovodInternalError",
+]

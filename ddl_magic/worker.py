@@ -1,0 +1,233 @@
+"""The body of every rank, local process or Spark task alike.
+
+    connect to the driver's control server and prove the run's secret
+    measure the clock offset to the driver (for the timeline)
+    register (host, ring listener) ──► receive the peer table and the task
+    forward stdout/stderr line by line, ship timeline batches
+    run the task ──► send its result, or the traceback
+    exit; and exit at once if the driver aborts the run or goes away
+
+Started as ``python -m ddl_magic.worker`` with ``DDL_MAGIC_CONTROL`` (host:port) and
+``DDL_MAGIC_RANK`` in the environment and the secret on the pipe ``DDL_MAGIC_SECRET_FD``,
+so it never appears in a process listing or a log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import cloudpickle
+
+from .protocol import Channel, PeerClosedError
+from .runtime import context
+from .runtime.errors import HorovodInternalError
+from .runtime.timeline import recorder
+from .runtime.world import Peer
+
+CONNECT_TIMEOUT_S = 30.0
+TIMELINE_SHIP_INTERVAL_S = 0.25
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# The control channel of this process's run, for runtime calls that talk to the driver
+# (hvd.start_timeline). None outside a launched rank.
+control: Channel | None = None
+_leaving = threading.Event()  # set once the rank has finished: losing the driver is expected then
+
+
+def main() -> None:
+    address = os.environ["DDL_MAGIC_CONTROL"]
+    host, port = address.rsplit(":", 1)
+    with os.fdopen(int(os.environ["DDL_MAGIC_SECRET_FD"]), "rb") as pipe:
+        secret = pipe.read()
+    sys.exit(run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret))
+
+
+def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
+    """Run one rank to completion; returns the process exit code."""
+    global control
+    channel = Channel.connect(control_address, secret, "control", CONNECT_TIMEOUT_S)
+    control = channel
+    recorder.clock_offset_ns = _clock_offset_ns(channel)
+    listener = socket.socket()
+    advertised_ip = channel.sock.getsockname()[0]  # the address the driver reached us from
+    listener.bind((advertised_ip, 0))
+    listener.listen(64)
+    channel.send(("register", rank, socket.gethostname(), listener.getsockname(), os.getpid()))
+    message = channel.recv()
+    if message[0] == "abort":
+        return 1
+    _, peers, task_bytes, settings = message
+    os.environ.update(settings["env"])
+    context.bootstrap = context.RankBootstrap(rank, [Peer(*p) for p in peers], secret, listener)
+    threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
+    shipper = _TimelineShipper(channel) if settings["timeline"] else None
+    with _ForwardedOutput(channel):
+        exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
+        if exit_code == 0:
+            context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
+    if shipper is not None:
+        shipper.stop()
+    _leaving.set()
+    channel.send(report)
+    channel.close()
+    return exit_code
+
+
+def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tuple]:
+    try:
+        task = cloudpickle.loads(task_bytes)
+        result = task.run()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 0:
+            return 0, ("done", None)
+        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}")
+    except BaseException as exc:
+        text = _user_traceback(exc)
+        reason = "lost a peer" if isinstance(exc, HorovodInternalError) else "exception"
+        return 1, ("failed", text, reason)
+    if rank != 0 and not return_all:
+        return 0, ("done", None)
+    try:
+        return 0, ("done", cloudpickle.dumps(result))
+    except Exception as exc:
+        text = (f"the result on rank {rank} ({type(result).__name__}) cannot be pickled: {exc}\n"
+                "Return plain data (numbers, lists, tensors, a state_dict), or end the cell "
+                "with a statement instead of an expression.\n")
+        return 1, ("failed", text, "unpicklable result")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without the frames of ddl_magic's own machinery above the user's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    first_user = next((i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE_DIR)), 0)
+    trimmed = traceback.TracebackException.from_exception(exc)
+    trimmed.stack = traceback.StackSummary.from_list(frames[first_user:])
+    return "".join(trimmed.format())
+
+
+def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
+    """driver clock - our clock, from the probe with the shortest round trip (NTP's rule)."""
+    best_rtt, best_offset = None, 0
+    for _ in range(probes):
+        sent = time.monotonic_ns()
+        channel.send(("clock",))
+        _, driver_ns = channel.recv()
+        received = time.monotonic_ns()
+        if best_rtt is None or received - sent < best_rtt:
+            best_rtt, best_offset = received - sent, driver_ns - (sent + received) // 2
+    return best_offset
+
+
+def _obey_driver(channel: Channel) -> None:
+    """Exit at once when the driver aborts the run or disappears: no rank outlives its run."""
+    try:
+        message = channel.recv()
+        reason = message[1] if message[0] == "abort" else "unexpected message"
+    except (OSError, PeerClosedError, EOFError):
+        reason = "the driver went away"
+    if _leaving.is_set():
+        return
+    try:
+        os.write(2, f"ddl_magic: stopping this rank: {reason}\n".encode())
+    finally:
+        os._exit(143)
+
+
+class _TimelineShipper:
+    """Sends the recorder's buffer to the driver in batches, off the training thread."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+        self._stopped = threading.Event()
+        recorder.enabled = True
+        self._thread = threading.Thread(target=self._loop, name="ddl-timeline", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(TIMELINE_SHIP_INTERVAL_S):
+            self._ship()
+
+    def _ship(self) -> None:
+        events = recorder.drain()
+        if events:
+            self._channel.send(("timeline", events))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        recorder.enabled = False
+        self._ship()
+
+
+class _ForwardedOutput:
+    """Sends everything written to file descriptors 1 and 2 to the driver, line by line.
+
+    Redirecting the descriptors (not just `sys.stdout`) also catches output from C
+    extensions and child processes. A line ending in a carriage return (a tqdm bar
+    redrawing itself) is sent as a replacing line, and so is the text that finishes such a
+    bar with a newline, so the finished bar does not show twice.
+    """
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+        self._streams = []
+
+    def __enter__(self) -> "_ForwardedOutput":
+        for fd, name, stream in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+            stream.flush()
+            read_end, write_end = os.pipe()
+            saved = os.dup(fd)
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            reader = threading.Thread(target=self._forward, args=(read_end, name),
+                                      name=f"ddl-{name}", daemon=True)
+            reader.start()
+            self._streams.append((fd, saved, reader, stream))
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for fd, saved, reader, stream in self._streams:
+            stream.flush()
+            os.dup2(saved, fd)  # closes our pipe's last write end: the reader sees EOF
+            os.close(saved)
+            reader.join(timeout=10)
+
+    def _forward(self, read_end: int, stream: str) -> None:
+        pending, after_carriage_return = "", False
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while True:
+                chunk = pipe.read(65536)
+                if not chunk:
+                    break
+                lines = []
+                pending += chunk.decode("utf-8", errors="replace")
+                while True:
+                    cut = min((i for i in (pending.find("\n"), pending.find("\r")) if i >= 0),
+                              default=-1)
+                    if cut < 0:
+                        break
+                    text, ending, pending = pending[:cut], pending[cut], pending[cut + 1:]
+                    if ending == "\r":
+                        if text:  # tqdm starts each redraw with \r: an empty text is no line
+                            lines.append((text, True))
+                        after_carriage_return = True
+                    else:
+                        if text or not after_carriage_return:  # "bar\r\n" adds no empty line
+                            lines.append((text, after_carriage_return))
+                        after_carriage_return = False
+                if lines:
+                    self._channel.send(("out", stream, lines))
+        if pending:
+            self._channel.send(("out", stream, [(pending, after_carriage_return)]))
+
+
+if __name__ == "__main__":
+    main()
