@@ -1,0 +1,373 @@
+"""The notebook's live view of a run: a status row per rank, each rank's output in its own tab.
+
+Peers lose rank labels (ipyparallel interleaves engines' output, HorovodRunner and
+TorchDistributor show one merged stream), so this view keeps every rank apart::
+
+    %%horovod -np 4 · running · 1/4 done · 12.3 s
+    ┌ rank ┬ status  ┬ host   ┬ elapsed ┬ last line ─────────────┐
+    │ 0    │ running │ node-a │ 12.1 s  │ epoch 3: 45%|████▌     │
+    │ 1    │ failed  │ node-b │ 3.2 s   │ RuntimeError: NaN loss │   <- row in red
+    └──────┴─────────┴────────┴─────────┴────────────────────────┘
+    rank 1 on node-b failed: exception        <- its traceback, above the tabs
+    [ all ranks | rank 0 | rank 1 ✗ | ... ]   <- "all ranks" labels each line [r]
+
+``handle(event)`` only changes Python-side state and ``refresh()`` pushes what changed to
+the widgets, so a flood of lines costs one widget update per refresh, not one per line.
+Each log keeps only its last ``max_lines`` lines; the full logs are on disk in ``log_dir``.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import ipywidgets as widgets
+
+from ..events import Event, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+
+STATUS_COLOURS = {
+    "starting": "#9e9e9e",
+    "running": "#1e88e5",
+    "done": "#43a047",
+    "failed": "#e53935",
+    "stopped": "#757575",  # the run ended (interrupted, or another rank failed) before this rank did
+}
+OUTCOME_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935", "interrupted": "#fb8c00"}
+FAILED_ROW_BACKGROUND = "#ffebee"
+LAST_LINE_CHARS = 160
+LOG_HEIGHT = "360px"
+
+
+class LogLine:
+    """One line of a rank's output; a progress line's text changes as its bar redraws.
+
+    The same object sits in the rank's log and in the "all ranks" log, so one redraw
+    updates both.
+    """
+
+    __slots__ = ("rank", "text")
+
+    def __init__(self, rank: int, text: str) -> None:
+        self.rank = rank
+        self.text = text
+
+
+class BoundedLog:
+    """The last ``max_lines`` lines of a log, and how many earlier lines were let go."""
+
+    def __init__(self, max_lines: int) -> None:
+        self.lines: deque[LogLine] = deque(maxlen=max_lines)
+        self.appended = 0
+
+    def append(self, line: LogLine) -> int:
+        """Add ``line`` and return its position: how many lines were appended before it."""
+        self.lines.append(line)
+        self.appended += 1
+        return self.appended - 1
+
+    def holds(self, position: int) -> bool:
+        """Whether the line appended at ``position`` is still kept."""
+        return position >= self.dropped
+
+    @property
+    def dropped(self) -> int:
+        return self.appended - len(self.lines)
+
+
+@dataclass
+class RankState:
+    """What the view knows about one rank."""
+
+    rank: int
+    log: BoundedLog
+    status: str = "starting"
+    host: str = ""
+    pid: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    last_line: str = ""
+    failure: RankFailed | None = None
+    # The rank's progress line that a redraw replaces, and where it sits in "all ranks";
+    # None once a normal line follows it (it then stays in the log as it last read).
+    progress: LogLine | None = None
+    progress_position_in_all: int = -1
+    log_changed: bool = True
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("done", "failed", "stopped")
+
+
+class RunView:
+    """A live ipywidgets view of one run's ranks.
+
+    Example::
+
+        view = RunView(np=4, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
+        view.display()
+        for event in events:           # the driver's drain loop
+            view.handle(event)
+            view.refresh()             # the driver calls this at most every ~100 ms
+        view.finish("done")
+    """
+
+    def __init__(self, np: int, title: str, log_dir: str | None, max_lines: int = 500) -> None:
+        if np < 1:
+            raise ValueError(f"np must be at least 1, got {np}")
+        if max_lines < 1:
+            raise ValueError(f"max_lines must be at least 1, got {max_lines}")
+        self.np = np
+        self.title = title
+        self.log_dir = log_dir
+        self.max_lines = max_lines
+        self._ranks = [RankState(rank, BoundedLog(max_lines)) for rank in range(np)]
+        self._all = BoundedLog(max_lines)
+        self._all_changed = True
+        self._failed_rank: int | None = None
+        self._outcome = "running"
+        self._started_at = time.monotonic()
+        self._finished_at: float | None = None
+
+        self._banner = widgets.HTML()
+        self._table = widgets.HTML()
+        self._failure = widgets.HTML()
+        self._all_tab = widgets.HTML()
+        self._rank_tabs = [widgets.HTML() for _ in range(np)]
+        self._tabs = widgets.Tab(children=[self._all_tab, *self._rank_tabs])
+        self._root = widgets.VBox([self._banner, self._table, self._failure, self._tabs])
+        self.refresh()
+
+    @property
+    def widget(self) -> widgets.VBox:
+        """The root widget, to embed the view in another layout."""
+        return self._root
+
+    def display(self) -> None:
+        """Show the view in the current notebook cell's output."""
+        from IPython.display import display
+
+        display(self._root)
+
+    def handle(self, event: Event) -> None:
+        """Take one event into the view's state; the widgets change on the next ``refresh()``."""
+        if isinstance(event, TimelineBatch):
+            return
+        rank = self._rank(event.rank)
+        if isinstance(event, RankStarted):
+            rank.host, rank.pid = event.host, event.pid
+            rank.started_at = time.monotonic()
+            if rank.status == "starting":
+                rank.status = "running"
+        elif isinstance(event, RankOutput):
+            self._add_output(rank, event)
+        elif isinstance(event, RankFinished):
+            self._end(rank, "done")
+        elif isinstance(event, RankFailed):
+            rank.host = event.host or rank.host
+            if not rank.ended:
+                rank.failure = event
+                self._end(rank, "failed")
+                if self._failed_rank is None:
+                    self._failed_rank = rank.rank
+
+    def refresh(self) -> None:
+        """Push the changes since the last refresh to the widgets."""
+        now = self._now()
+        self._banner.value = self._render_banner(now)
+        self._table.value = self._render_table(now)
+        self._failure.value = self._render_failure()
+        self._tabs.titles = ("all ranks", *(self._tab_title(rank) for rank in self._ranks))
+        for rank, tab in zip(self._ranks, self._rank_tabs):
+            if rank.log_changed:
+                tab.value = self._render_log(rank.log, self._log_note(rank.log, rank.rank), labelled=False)
+                rank.log_changed = False
+        if self._all_changed:
+            self._all_tab.value = self._render_log(self._all, self._log_note(self._all, None), labelled=True)
+            self._all_changed = False
+
+    def finish(self, status: str) -> None:
+        """End the run with ``status`` ("done", "failed" or "interrupted"): final banner, clocks stop.
+
+        Ranks that had not ended are marked "stopped". Calling it again changes nothing.
+        """
+        if status not in ("done", "failed", "interrupted"):
+            raise ValueError(f"status must be 'done', 'failed' or 'interrupted', got {status!r}")
+        if self._finished_at is not None:
+            return
+        self._finished_at = time.monotonic()
+        self._outcome = status
+        for rank in self._ranks:
+            if not rank.ended:
+                self._end(rank, "stopped")
+        self.refresh()
+
+    def state(self) -> dict:
+        """A plain snapshot of the view, for tests and for the run's record."""
+        now = self._now()
+        return {
+            "title": self.title,
+            "status": self._outcome,
+            "elapsed_s": now - self._started_at,
+            "failed_rank": self._failed_rank,
+            "log_dir": self.log_dir,
+            "ranks": [
+                {
+                    "rank": rank.rank,
+                    "status": rank.status,
+                    "host": rank.host,
+                    "pid": rank.pid,
+                    "elapsed_s": self._elapsed(rank, now),
+                    "last_line": rank.last_line,
+                    "lines": [line.text for line in rank.log.lines],
+                    "dropped": rank.log.dropped,
+                    "log_path": self._log_path(rank.rank),
+                    "failure": (
+                        {"reason": rank.failure.reason, "traceback": rank.failure.traceback}
+                        if rank.failure
+                        else None
+                    ),
+                }
+                for rank in self._ranks
+            ],
+            "all_ranks": {
+                "lines": [f"[{line.rank}] {line.text}" for line in self._all.lines],
+                "dropped": self._all.dropped,
+            },
+        }
+
+    def _rank(self, rank: int) -> RankState:
+        if not 0 <= rank < self.np:
+            raise ValueError(f"event for rank {rank}, but this run has ranks 0..{self.np - 1}")
+        return self._ranks[rank]
+
+    def _add_output(self, rank: RankState, event: RankOutput) -> None:
+        if event.replace and rank.progress is not None:
+            rank.progress.text = event.text
+            # Other ranks' lines can push the bar out of "all ranks"; it comes back at the bottom.
+            if not self._all.holds(rank.progress_position_in_all):
+                rank.progress_position_in_all = self._all.append(rank.progress)
+        else:
+            line = LogLine(rank.rank, event.text)
+            rank.log.append(line)
+            position = self._all.append(line)
+            if event.replace:
+                rank.progress, rank.progress_position_in_all = line, position
+            else:
+                rank.progress, rank.progress_position_in_all = None, -1
+        rank.last_line = event.text
+        rank.log_changed = True
+        self._all_changed = True
+
+    def _end(self, rank: RankState, status: str) -> None:
+        if rank.ended:
+            return
+        rank.status = status
+        rank.ended_at = time.monotonic()
+
+    def _now(self) -> float:
+        return self._finished_at if self._finished_at is not None else time.monotonic()
+
+    def _elapsed(self, rank: RankState, now: float) -> float | None:
+        if rank.started_at is None:
+            return None
+        end = rank.ended_at if rank.ended_at is not None else now
+        return end - rank.started_at
+
+    def _log_path(self, rank: int) -> str | None:
+        return os.path.join(self.log_dir, f"rank-{rank}.log") if self.log_dir else None
+
+    def _tab_title(self, rank: RankState) -> str:
+        return f"rank {rank.rank} ✗" if rank.status == "failed" else f"rank {rank.rank}"
+
+    def _render_banner(self, now: float) -> str:
+        colour = OUTCOME_COLOURS[self._outcome]
+        elapsed = _format_elapsed(now - self._started_at)
+        if self._outcome == "running":
+            done = sum(rank.status == "done" for rank in self._ranks)
+            summary = f"running · {done}/{self.np} done · {elapsed}"
+        elif self._outcome == "done":
+            summary = f"done in {elapsed}"
+        else:
+            summary = f"{self._outcome} after {elapsed}"
+        logs = f" · logs in <code>{html.escape(self.log_dir)}</code>" if self.log_dir else ""
+        return (
+            f"<div><b>{html.escape(self.title)}</b> · "
+            f'<b style="color:{colour}">{summary}</b>{logs}</div>'
+        )
+
+    def _render_table(self, now: float) -> str:
+        rows = []
+        for rank in self._ranks:
+            elapsed = self._elapsed(rank, now)
+            background = f' style="background:{FAILED_ROW_BACKGROUND}"' if rank.status == "failed" else ""
+            last_line = rank.last_line
+            if len(last_line) > LAST_LINE_CHARS:
+                last_line = last_line[: LAST_LINE_CHARS - 1] + "…"
+            rows.append(
+                f"<tr{background}><td>{rank.rank}</td><td>{_badge(rank.status)}</td>"
+                f"<td>{html.escape(rank.host) or '—'}</td>"
+                f"<td>{'—' if elapsed is None else _format_elapsed(elapsed)}</td>"
+                f"<td><code>{html.escape(last_line)}</code></td></tr>"
+            )
+        header = "<tr><th>rank</th><th>status</th><th>host</th><th>elapsed</th><th>last line</th></tr>"
+        return f'<table style="text-align:left">{header}{"".join(rows)}</table>'
+
+    def _render_failure(self) -> str:
+        if self._failed_rank is None:
+            return ""
+        first = self._ranks[self._failed_rank].failure
+        others = [
+            f"rank {rank.rank} ({html.escape(rank.failure.reason)})"
+            for rank in self._ranks
+            if rank.failure is not None and rank.rank != self._failed_rank
+        ]
+        also = f"<div>also failed: {', '.join(others)}</div>" if others else ""
+        return (
+            f'<div style="border-left:4px solid {STATUS_COLOURS["failed"]};'
+            f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
+            f"<b>rank {first.rank} on {html.escape(first.host or '?')} failed: "
+            f"{html.escape(first.reason)}</b>"
+            f'<pre style="margin:4px 0">{html.escape(first.traceback)}</pre>{also}</div>'
+        )
+
+    def _log_note(self, log: BoundedLog, rank: int | None) -> str:
+        if not log.dropped:
+            return ""
+        note = f"{log.dropped:,} earlier lines not shown"
+        if self.log_dir:
+            where = self._log_path(rank) if rank is not None else os.path.join(self.log_dir, "rank-N.log")
+            note += f" · full log: {where}"
+        return note
+
+    def _render_log(self, log: BoundedLog, note: str, labelled: bool) -> str:
+        if labelled:
+            text = "\n".join(f"[{line.rank}] {line.text}" for line in log.lines)
+        else:
+            text = "\n".join(line.text for line in log.lines)
+        note_html = f'<div style="color:#757575"><i>{html.escape(note)}</i></div>' if note else ""
+        # column-reverse keeps the scroll position at the newest line, without any JavaScript.
+        return (
+            f"{note_html}<div style=\"max-height:{LOG_HEIGHT};overflow:auto;"
+            f'display:flex;flex-direction:column-reverse">'
+            f'<pre style="margin:0">{html.escape(text)}</pre></div>'
+        )
+
+
+def _badge(status: str) -> str:
+    return (
+        f'<span style="background:{STATUS_COLOURS[status]};color:white;'
+        f'padding:0 6px;border-radius:8px">{status}</span>'
+    )
+
+
+def _format_elapsed(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} m {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} m"

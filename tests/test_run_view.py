@@ -1,0 +1,235 @@
+"""The run view: what each rank's row, tab and the failure panel show as events arrive.
+
+ipywidgets works without a notebook frontend, so these tests feed events straight in and
+read the view's ``state()`` and its widgets' values.
+"""
+
+import time
+
+import pytest
+
+from ddl_magic.events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.ui import RunView
+from ddl_magic.ui.run_view import FAILED_ROW_BACKGROUND
+
+TRACEBACK = 'Traceback (most recent call last):\n  File "<cell>", line 3\nRuntimeError: loss is NaN <1>\n'
+
+
+def out(rank, text, stream="stdout", replace=False):
+    return RankOutput(rank=rank, stream=stream, text=text, replace=replace)
+
+
+def make_view(np=2, **kwargs):
+    kwargs.setdefault("log_dir", "/tmp/ddl_magic/run-7")
+    return RunView(np, "%%horovod -np 2", **kwargs)
+
+
+def tab_text(view, index):
+    """The HTML shown in tab ``index`` (0 is "all ranks", 1 + r is rank r)."""
+    return view.widget.children[3].children[index].value
+
+
+def tab_titles(view):
+    return view.widget.children[3].titles
+
+
+def test_ranks_start_run_and_finish():
+    view = make_view()
+    assert [r["status"] for r in view.state()["ranks"]] == ["starting", "starting"]
+
+    view.handle(RankStarted(rank=0, host="node-a", pid=101))
+    view.handle(RankStarted(rank=1, host="node-b", pid=102))
+    view.handle(RankFinished(rank=0))
+    state = view.state()
+    assert [r["status"] for r in state["ranks"]] == ["done", "running"]
+    assert [r["host"] for r in state["ranks"]] == ["node-a", "node-b"]
+    assert state["status"] == "running"
+
+    view.handle(RankFinished(rank=1))
+    view.finish("done")
+    assert view.state()["status"] == "done"
+    assert "done in" in view.widget.children[0].value
+
+
+def test_row_shows_status_host_and_last_line():
+    view = make_view()
+    view.handle(RankStarted(rank=1, host="node-b", pid=7))
+    view.handle(out(1, "epoch 1 loss <0.5>"))
+    view.refresh()
+    table = view.widget.children[1].value
+    assert "node-b" in table
+    assert "running" in table
+    assert "epoch 1 loss &lt;0.5&gt;" in table  # escaped, so output cannot break the page
+    assert view.state()["ranks"][1]["last_line"] == "epoch 1 loss <0.5>"
+
+
+def test_widgets_change_only_on_refresh():
+    view = make_view()
+    view.handle(out(0, "hello"))
+    assert "hello" not in tab_text(view, 1)
+    view.refresh()
+    assert "hello" in tab_text(view, 1)
+
+
+def test_each_rank_output_goes_to_its_own_tab():
+    view = make_view()
+    view.handle(out(0, "from zero"))
+    view.handle(out(1, "from one", stream="stderr"))
+    view.refresh()
+    assert "from zero" in tab_text(view, 1) and "from one" not in tab_text(view, 1)
+    assert "from one" in tab_text(view, 2) and "from zero" not in tab_text(view, 2)
+    assert view.state()["ranks"][0]["lines"] == ["from zero"]
+    assert view.state()["ranks"][1]["lines"] == ["from one"]
+    assert tab_titles(view) == ("all ranks", "rank 0", "rank 1")
+
+
+def test_all_ranks_tab_merges_in_arrival_order_with_labels():
+    view = make_view()
+    view.handle(out(1, "b"))
+    view.handle(out(0, "a"))
+    view.handle(out(1, "c"))
+    view.refresh()
+    assert view.state()["all_ranks"]["lines"] == ["[1] b", "[0] a", "[1] c"]
+    assert "[1] b\n[0] a\n[1] c" in tab_text(view, 0)
+
+
+def test_progress_redraws_collapse_into_one_line():
+    view = make_view()
+    view.handle(out(0, "starting"))
+    for percent in range(0, 101):
+        view.handle(out(0, f"epoch 1: {percent}%", stream="stderr", replace=True))
+    view.handle(out(1, "rank one talks in between"))
+    view.handle(out(0, "epoch 1: 100%", stream="stderr", replace=True))
+    view.refresh()
+
+    state = view.state()
+    assert state["ranks"][0]["lines"] == ["starting", "epoch 1: 100%"]
+    assert state["all_ranks"]["lines"] == [
+        "[0] starting",
+        "[0] epoch 1: 100%",
+        "[1] rank one talks in between",
+    ]
+    assert "epoch 1: 50%" not in tab_text(view, 1)
+
+
+def test_normal_line_freezes_progress_line_and_next_bar_starts_anew():
+    view = make_view()
+    view.handle(out(0, "epoch 1: 100%", replace=True))
+    view.handle(out(0, "epoch 1 loss 0.4"))
+    view.handle(out(0, "epoch 2: 10%", replace=True))
+    view.handle(out(0, "epoch 2: 20%", replace=True))
+    assert view.state()["ranks"][0]["lines"] == ["epoch 1: 100%", "epoch 1 loss 0.4", "epoch 2: 20%"]
+
+
+def test_progress_line_pushed_out_of_all_ranks_comes_back_at_the_bottom():
+    view = make_view(max_lines=3)
+    view.handle(out(0, "bar 1%", replace=True))
+    for i in range(5):
+        view.handle(out(1, f"line {i}"))
+    view.handle(out(0, "bar 2%", replace=True))
+    assert view.state()["all_ranks"]["lines"] == ["[1] line 3", "[1] line 4", "[0] bar 2%"]
+    assert view.state()["ranks"][0]["lines"] == ["bar 2%"]
+
+
+def test_failed_rank_is_highlighted_with_its_traceback():
+    view = make_view()
+    view.handle(RankStarted(rank=0, host="node-a", pid=1))
+    view.handle(RankStarted(rank=1, host="node-b", pid=2))
+    view.handle(RankFailed(rank=1, host="node-b", traceback=TRACEBACK, reason="exception"))
+    view.refresh()
+
+    state = view.state()
+    assert state["failed_rank"] == 1
+    assert state["ranks"][1]["status"] == "failed"
+    assert state["ranks"][1]["failure"] == {"reason": "exception", "traceback": TRACEBACK}
+    assert tab_titles(view) == ("all ranks", "rank 0", "rank 1 ✗")
+    failure_panel = view.widget.children[2].value
+    assert "rank 1 on node-b failed: exception" in failure_panel
+    assert "RuntimeError: loss is NaN &lt;1&gt;" in failure_panel
+    table = view.widget.children[1].value
+    assert f'<tr style="background:{FAILED_ROW_BACKGROUND}"><td>1</td>' in table
+    assert "<tr><td>0</td>" in table
+
+
+def test_first_failure_stays_the_headline():
+    view = make_view(np=3)
+    view.handle(RankFailed(rank=2, host="node-c", traceback=TRACEBACK, reason="exception"))
+    view.handle(RankFailed(rank=0, host="node-a", traceback="", reason="connection lost"))
+    view.handle(RankFailed(rank=2, host="node-c", traceback="again", reason="exit code 1"))
+    view.finish("failed")
+
+    state = view.state()
+    assert state["failed_rank"] == 2
+    assert state["ranks"][2]["failure"]["reason"] == "exception"
+    assert [r["status"] for r in state["ranks"]] == ["failed", "stopped", "failed"]
+    failure_panel = view.widget.children[2].value
+    assert "rank 2 on node-c failed: exception" in failure_panel
+    assert "also failed: rank 0 (connection lost)" in failure_panel
+    assert "failed after" in view.widget.children[0].value
+
+
+def test_finish_stops_the_clocks_and_marks_unfinished_ranks_stopped():
+    view = make_view()
+    view.handle(RankStarted(rank=0, host="node-a", pid=1))
+    view.finish("interrupted")
+    first = view.state()
+    time.sleep(0.02)
+    second = view.state()
+    assert first["elapsed_s"] == second["elapsed_s"]
+    assert first["ranks"][0]["elapsed_s"] == second["ranks"][0]["elapsed_s"]
+    assert [r["status"] for r in second["ranks"]] == ["stopped", "stopped"]
+    assert second["status"] == "interrupted"
+    assert "interrupted after" in view.widget.children[0].value
+
+
+def test_finish_rejects_unknown_status_and_ignores_a_second_call():
+    view = make_view()
+    with pytest.raises(ValueError, match="'done', 'failed' or 'interrupted'"):
+        view.finish("ok")
+    view.finish("done")
+    view.finish("failed")
+    assert view.state()["status"] == "done"
+
+
+def test_timeline_batches_are_ignored_and_unknown_ranks_rejected():
+    view = make_view()
+    view.handle(TimelineBatch(rank=0, events=[("allreduce", "ring", 0, 5, None)]))
+    assert view.state()["all_ranks"]["lines"] == []
+    with pytest.raises(ValueError, match="rank 2"):
+        view.handle(out(2, "who am I"))
+
+
+def test_sixteen_ranks_and_many_lines_stay_bounded():
+    np, lines_per_rank, max_lines = 16, 10_000, 500
+    view = RunView(np, "%%horovod -np 16", "/tmp/ddl_magic/run-9", max_lines=max_lines)
+    started = time.perf_counter()
+    for i in range(lines_per_rank):
+        for rank in range(np):
+            view.handle(out(rank, f"step {i}"))
+        if i % 1000 == 0:
+            view.refresh()
+    view.finish("done")
+    assert time.perf_counter() - started < 10
+
+    state = view.state()
+    for rank_state in state["ranks"]:
+        assert len(rank_state["lines"]) == max_lines
+        assert rank_state["lines"][-1] == f"step {lines_per_rank - 1}"
+        assert rank_state["dropped"] == lines_per_rank - max_lines
+    assert len(state["all_ranks"]["lines"]) == max_lines
+    assert state["all_ranks"]["dropped"] == np * lines_per_rank - max_lines
+
+    rank_3_tab = tab_text(view, 1 + 3)
+    assert "9,500 earlier lines not shown" in rank_3_tab
+    assert "/tmp/ddl_magic/run-9/rank-3.log" in rank_3_tab
+    assert state["ranks"][3]["log_path"] == "/tmp/ddl_magic/run-9/rank-3.log"
+    assert "159,500 earlier lines not shown" in tab_text(view, 0)
+    assert rank_3_tab.count("\n") < max_lines + 5
+
+
+def test_no_dropped_note_while_everything_fits():
+    view = make_view()
+    view.handle(out(0, "only line"))
+    view.refresh()
+    assert "not shown" not in tab_text(view, 1)
+    assert view.state()["ranks"][0]["dropped"] == 0
