@@ -67,6 +67,10 @@ class ControlServer:
         with self._lock:
             self._closed = True
             channels = list(self._channels.values())
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() does not
+        except OSError:
+            pass
         self._listener.close()
         for channel in channels:
             channel.close()
@@ -143,7 +147,7 @@ class ControlServer:
                 self.events.put(RankFinished(rank, message[1]))
             elif kind == "failed":
                 self._finished.add(rank)
-                self.events.put(RankFailed(rank, host, message[1], message[2]))
+                self.events.put(RankFailed(rank, host, *message[1:]))
 
     def _connection_ended(self, rank: int) -> None:
         with self._lock:

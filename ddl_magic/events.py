@@ -51,6 +51,7 @@ class RankFailed:
     host: str
     traceback: str
     reason: str  # "exception", "exit code N", "killed by SIGKILL", "connection lost", ...
+    exit_code: int | None = None  # the exit status the rank reported, when it could report
 
 
 @dataclass(frozen=True)

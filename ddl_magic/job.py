@@ -36,10 +36,13 @@ START_TIMEOUT_S = 120.0
 class RankFailedError(RuntimeError):
     """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
 
-    def __init__(self, rank: int, host: str, reason: str, traceback: str, run: "RunResult"):
+    def __init__(self, rank: int, host: str, reason: str, traceback: str, exit_code: int | None,
+                 run: "RunResult"):
         where = f"rank {rank} ({host})" if host else f"rank {rank}"
         super().__init__(f"{where} failed: {reason}" + (f"\n\n{traceback}" if traceback else ""))
-        self.rank, self.host, self.reason, self.traceback, self.run = rank, host, reason, traceback, run
+        self.rank, self.host, self.reason, self.traceback = rank, host, reason, traceback
+        self.exit_code = exit_code  # what the rank exited with (negative: killed by that signal)
+        self.run = run
 
 
 @dataclass
@@ -165,6 +168,7 @@ class _RunWatcher:
         self._trace = TraceWriter(timeline_path) if timeline_path else None
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
+        self._stopping = False
         self._last_refresh = 0.0
 
     def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
@@ -177,9 +181,8 @@ class _RunWatcher:
                 break
             if timeout_s is not None and now - started > timeout_s:
                 self.record.status = "timed out"
-                server.abort(f"the run exceeded its timeout of {timeout_s:g} s")
                 raise TimeoutError(
-                    f"the run exceeded --timeout {timeout_s:g} s; all ranks were stopped. "
+                    f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
                     f"Logs: {self.record.log_dir}")
             if now - started > START_TIMEOUT_S and len(server.registered) < self.record.np:
                 missing = sorted(set(range(self.record.np)) - server.registered)
@@ -188,14 +191,12 @@ class _RunWatcher:
                     f"ranks {missing} did not connect within {START_TIMEOUT_S:.0f} s "
                     f"({self.record.where}); see their logs in {self.record.log_dir}")
             try:
-                event = events.get(timeout=REFRESH_INTERVAL_S)
+                self.handle(events.get(timeout=REFRESH_INTERVAL_S))
             except queue.Empty:
-                event = None
-            if event is not None:
-                self.handle(event)
-                if self._failures and first_failure_at is None:
-                    first_failure_at = time.monotonic()
-                    server.abort(f"rank {self._failures[0].rank} failed")
+                pass
+            if self._failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+                server.abort(f"rank {self._failures[0].rank} failed")
             self._refresh()
         if self._failures:
             self._raise_failure()
@@ -207,8 +208,9 @@ class _RunWatcher:
         if isinstance(event, ProcessExited):
             rank = record.ranks[event.rank]
             rank.exit_code = event.returncode
-            if event.rank not in self._results and rank.status not in ("failed", "done"):
-                self.handle(RankFailed(event.rank, rank.host, "", describe_exit(event.returncode)))
+            if rank.status in ("starting", "running"):
+                self.handle(RankFailed(event.rank, rank.host, "", describe_exit(event.returncode),
+                                       event.returncode))
             return
         if isinstance(event, TimelineBatch):
             if self._trace is not None:
@@ -225,16 +227,27 @@ class _RunWatcher:
             rank.status, rank.ended_at = "done", time.time()
             self._results[event.rank] = event.result
         elif isinstance(event, RankFailed):
-            if rank.status == "failed":
-                return  # the process exit and the lost connection report the same failure
-            rank.status, rank.ended_at, rank.reason = "failed", time.time(), event.reason
-            if event.traceback:
-                self._logs[event.rank].write(event.traceback)
-            self._failures.append(event)
+            self._record_failure(rank, event)
+            return  # shown by _raise_failure, once the failures of this moment are all in
         self.display.handle(event)
+
+    def _record_failure(self, rank: RankRecord, failure: RankFailed) -> None:
+        if rank.status in ("failed", "stopped"):
+            return  # the process exit and the lost connection report the same end
+        rank.ended_at = time.time()
+        stopped_by_us = self._stopping or (
+            self._failures and failure.reason in ("connection lost", "exit code 143"))
+        if stopped_by_us:  # because another rank failed, or the run was interrupted
+            rank.status = "stopped"
+            return
+        rank.status, rank.reason = "failed", failure.reason
+        if failure.traceback:
+            self._logs[failure.rank].write(failure.traceback)
+        self._failures.append(failure)
 
     def drain(self, events: queue.Queue) -> None:
         """Handle what arrived while stopping (last lines, exit codes)."""
+        self._stopping = True
         while True:
             try:
                 self.handle(events.get_nowait())
@@ -261,17 +274,24 @@ class _RunWatcher:
             self.display.refresh()
 
     def _raise_failure(self) -> None:
-        """Raise for the failure that caused the others (not a neighbour that lost its peer)."""
-        causes = [f for f in self._failures if f.reason != "lost a peer"] or self._failures
-        first = causes[0]
-        # A dead process reports "connection lost" first; its exit code says more.
-        rank = self.record.ranks[first.rank]
-        reason = first.reason
-        if reason == "connection lost" and rank.exit_code is not None:
-            reason = describe_exit(rank.exit_code)
+        """Show and raise the failure that caused the others, then the ranks it took down."""
+        causes = [f for f in self._failures if f.reason != "lost a peer"]
+        ordered = causes + [f for f in self._failures if f.reason == "lost a peer"]
+        shown = []
+        for failure in ordered:
+            rank = self.record.ranks[failure.rank]
+            if failure.reason == "connection lost" and rank.exit_code is not None:
+                # A dead process's connection drops first; its exit status says more.
+                failure = RankFailed(failure.rank, failure.host, failure.traceback,
+                                     describe_exit(rank.exit_code), rank.exit_code)
+                rank.reason = failure.reason
+            self.display.handle(failure)
+            shown.append(failure)
+        first = shown[0]
         self.record.status = "failed"
-        self.record.error = f"rank {first.rank} failed: {reason}"
-        raise RankFailedError(first.rank, first.host, reason, first.traceback, self.record)
+        self.record.error = f"rank {first.rank} failed: {first.reason}"
+        raise RankFailedError(first.rank, first.host, first.reason, first.traceback,
+                              first.exit_code, self.record)
 
     def _collect_results(self) -> None:
         values = [cloudpickle.loads(b) if b is not None else None

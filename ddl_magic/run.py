@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         Job(task, args.np, LocalLauncher(), options).run()
     except RankFailedError as exc:
-        code = exc.run.ranks[exc.rank].exit_code
+        code = exc.exit_code
         return 128 - code if code is not None and code < 0 else (code or 1)
     except TimeoutError as exc:
         print(f"ddlrun: {exc}", file=sys.stderr)

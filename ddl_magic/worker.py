@@ -15,6 +15,7 @@ so it never appears in a process listing or a log.
 from __future__ import annotations
 
 import os
+import runpy
 import socket
 import sys
 import threading
@@ -86,11 +87,11 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tupl
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
             return 0, ("done", None)
-        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}")
+        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}", code)
     except BaseException as exc:
         text = _user_traceback(exc)
         reason = "lost a peer" if isinstance(exc, HorovodInternalError) else "exception"
-        return 1, ("failed", text, reason)
+        return 1, ("failed", text, reason, 1)
     if rank != 0 and not return_all:
         return 0, ("done", None)
     try:
@@ -99,16 +100,20 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tupl
         text = (f"the result on rank {rank} ({type(result).__name__}) cannot be pickled: {exc}\n"
                 "Return plain data (numbers, lists, tensors, a state_dict), or end the cell "
                 "with a statement instead of an expression.\n")
-        return 1, ("failed", text, "unpicklable result")
+        return 1, ("failed", text, "unpicklable result", 1)
 
 
 def _user_traceback(exc: BaseException) -> str:
     """The traceback without the frames of ddl_magic's own machinery above the user's code."""
     frames = traceback.extract_tb(exc.__traceback__)
-    first_user = next((i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE_DIR)), 0)
+    first_user = next((i for i, f in enumerate(frames) if not _is_machinery(f.filename)), 0)
     trimmed = traceback.TracebackException.from_exception(exc)
     trimmed.stack = traceback.StackSummary.from_list(frames[first_user:])
     return "".join(trimmed.format())
+
+
+def _is_machinery(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_DIR) or filename in ("<frozen runpy>", runpy.__file__)
 
 
 def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
@@ -127,16 +132,11 @@ def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
 def _obey_driver(channel: Channel) -> None:
     """Exit at once when the driver aborts the run or disappears: no rank outlives its run."""
     try:
-        message = channel.recv()
-        reason = message[1] if message[0] == "abort" else "unexpected message"
+        channel.recv()  # the only message a running rank receives is "abort"
     except (OSError, PeerClosedError, EOFError):
-        reason = "the driver went away"
-    if _leaving.is_set():
-        return
-    try:
-        os.write(2, f"ddl_magic: stopping this rank: {reason}\n".encode())
-    finally:
-        os._exit(143)
+        pass  # the driver went away
+    if not _leaving.is_set():
+        os._exit(143)  # the driver already knows why: it asked, or it is gone
 
 
 class _TimelineShipper:

@@ -48,7 +48,8 @@ class Handle:
             self._queue.note_waiting(self.name)
             self._done.wait()
         if self._error is not None:
-            raise self._error
+            # Raised afresh here: the background thread's frames would only confuse the user.
+            raise self._error.with_traceback(None)
         return self._output
 
     def _complete(self, output: torch.Tensor | None = None, error: BaseException | None = None):

@@ -1,0 +1,184 @@
+"""Every collective's values against a locally computed expectation, on 1 to 4 real ranks.
+
+Each world size is launched once (processes are the expensive part); every rank runs all the
+checks below and reports which failed, so each check still passes or fails on its own.
+"""
+
+import pytest
+import torch
+
+from ranks import run_on_ranks
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+SIZES = [0, 1, 7, 1001]  # empty, fewer elements than ranks, odd sizes
+
+
+def rank_input(rank, numel, dtype, op_name="sum"):
+    """What `rank` contributes: small values, so sums and products are exact in every dtype."""
+    base = torch.arange(numel, dtype=torch.int64)
+    values = (base + rank) % 2 + 1 if op_name == "product" else (base * 3 + rank * 5) % 11
+    return values.to(dtype)
+
+
+def expected_reduction(size, numel, dtype, op_name):
+    inputs = torch.stack([rank_input(r, numel, dtype, op_name).to(torch.float64)
+                          for r in range(size)])
+    if op_name == "sum":
+        return inputs.sum(0)
+    if op_name == "average":
+        mean = inputs.sum(0) / size
+        return mean if dtype.is_floating_point else mean.trunc()
+    if op_name == "min":
+        return inputs.min(0).values
+    if op_name == "max":
+        return inputs.max(0).values
+    return inputs.prod(0)
+
+
+def close(actual, expected, dtype):
+    tolerance = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-6}.get(dtype, 1e-9)
+    return actual.dtype == dtype and torch.allclose(actual.to(torch.float64), expected,
+                                                    rtol=tolerance, atol=tolerance)
+
+
+def check_allreduce(hvd):
+    ops = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+           "product": hvd.Product}
+    failures = []
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for op_name, op in ops.items():
+                mine = rank_input(hvd.rank(), numel, dtype, op_name)
+                result = hvd.allreduce(mine, op=op)
+                if not close(result, expected_reduction(hvd.size(), numel, dtype, op_name), dtype):
+                    failures.append(f"{op_name} {dtype} numel={numel}: {result[:8].tolist()}")
+    return failures
+
+
+def check_allreduce_in_place_and_scaling(hvd):
+    failures = []
+    tensor = rank_input(hvd.rank(), 33, torch.float32)
+    hvd.allreduce_(tensor, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    if not close(tensor, expected_reduction(hvd.size(), 33, torch.float32, "sum") * 1.5, torch.float32):
+        failures.append(f"in place with scaling: {tensor[:4].tolist()}")
+    if hvd.allreduce(torch.tensor([float(hvd.rank())]), average=True).item() != (hvd.size() - 1) / 2:
+        failures.append("legacy average=True")
+    return failures
+
+
+def check_fusion_of_many_small_tensors(hvd):
+    tensors = [torch.full((i % 5 + 1,), float(hvd.rank() + i)) for i in range(200)]
+    handles = [hvd.allreduce_async(t, name=f"small.{i}", op=hvd.Sum) for i, t in enumerate(tensors)]
+    expected_offset = sum(range(hvd.size()))
+    return [f"small.{i}" for i, h in enumerate(handles)
+            if not torch.equal(hvd.synchronize(h),
+                               torch.full((i % 5 + 1,), float(hvd.size() * i + expected_offset)))]
+
+
+def check_async_in_rank_dependent_order(hvd):
+    names = [f"t{i}" for i in range(12)]
+    order = names if hvd.rank() % 2 == 0 else list(reversed(names))
+    handles = {name: hvd.allreduce_async(torch.full((3,), float(int(name[1:]))), name=name,
+                                         op=hvd.Sum) for name in order}
+    return [name for name, handle in handles.items()
+            if hvd.synchronize(handle).tolist() != [float(int(name[1:]) * hvd.size())] * 3]
+
+
+def check_grouped_allreduce(hvd):
+    results = hvd.grouped_allreduce([torch.ones(3), torch.ones(2, 2) * 2], op=hvd.Sum)
+    ok = torch.equal(results[0], torch.full((3,), float(hvd.size()))) and \
+        torch.equal(results[1], torch.full((2, 2), 2.0 * hvd.size()))
+    return [] if ok else [str(results)]
+
+
+def check_allgather(hvd):
+    failures = []
+    for dtype in DTYPES:
+        mine = torch.full((hvd.rank(), 3), hvd.rank() + 1).to(dtype)  # rank 0 contributes no rows
+        gathered = hvd.allgather(mine)
+        expected = torch.cat([torch.full((r, 3), r + 1).to(dtype) for r in range(hvd.size())])
+        if not torch.equal(gathered, expected):
+            failures.append(f"allgather {dtype}: {gathered.tolist()}")
+    handle = hvd.allgather_async(torch.tensor([hvd.rank()]))
+    if hvd.synchronize(handle).tolist() != list(range(hvd.size())):
+        failures.append("allgather_async")
+    return failures
+
+
+def check_broadcast(hvd):
+    failures = []
+    for root in range(hvd.size()):
+        for dtype in DTYPES:
+            for numel in (0, 5, 300_001):
+                mine = rank_input(hvd.rank(), numel, dtype)
+                result = hvd.broadcast(mine, root_rank=root)
+                if not torch.equal(result, rank_input(root, numel, dtype)):
+                    failures.append(f"broadcast root={root} {dtype} numel={numel}")
+        tensor = torch.full((4,), float(hvd.rank()))
+        hvd.broadcast_(tensor, root_rank=root)
+        if tensor.tolist() != [float(root)] * 4:
+            failures.append(f"broadcast_ root={root}")
+    return failures
+
+
+def check_objects_and_barrier(hvd):
+    failures = []
+    if hvd.broadcast_object({"from": hvd.rank()}, root_rank=hvd.size() - 1) != {"from": hvd.size() - 1}:
+        failures.append("broadcast_object")
+    if hvd.allgather_object(("rank", hvd.rank())) != [("rank", r) for r in range(hvd.size())]:
+        failures.append("allgather_object")
+    hvd.barrier()
+    return failures
+
+
+def check_mismatch_names_the_tensor_and_ranks(hvd):
+    if hvd.size() == 1:
+        return []
+    try:
+        hvd.allreduce(torch.ones(2 + (hvd.rank() == 1)), name="lopsided")
+    except hvd.HorovodInternalError as exc:
+        message = str(exc)
+        return [] if "'lopsided'" in message and "ranks [0, 1]" in message else [message]
+    return ["no error for mismatched shapes"]
+
+
+def check_topology(hvd):
+    expected = (hvd.rank(), hvd.size(), hvd.size(), 0, 1)
+    actual = (hvd.local_rank(), hvd.local_size(), hvd.size(), hvd.cross_rank(), hvd.cross_size())
+    return [] if actual == expected else [f"topology {actual}"]
+
+
+CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
+          check_async_in_rank_dependent_order, check_grouped_allreduce, check_allgather,
+          check_broadcast, check_objects_and_barrier, check_mismatch_names_the_tensor_and_ranks,
+          check_topology]
+
+
+def run_all_checks():
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    hvd.init()  # a second init is harmless
+    report = {check.__name__: check(hvd) for check in CHECKS}
+    hvd.shutdown()
+    return report
+
+
+@pytest.fixture(scope="module")
+def reports():
+    cache = {}
+
+    def for_size(np):
+        if np not in cache:
+            cache[np] = run_on_ranks(run_all_checks, np, timeout_s=240)
+        return cache[np]
+
+    return for_size
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+def test_collective(reports, np, check):
+    failures = {rank: report[check] for rank, report in enumerate(reports(np)) if report[check]}
+    assert failures == {}

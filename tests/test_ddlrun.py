@@ -1,0 +1,160 @@
+"""`ddlrun` from a terminal: prefixed output, failures, a killed rank, Ctrl-C, bad usage."""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+SCRIPTS = {
+    "hello.py": """
+import ddl_magic.torch as hvd
+hvd.init()
+print(f"hello from {hvd.rank()} of {hvd.size()}")
+""",
+    "raises.py": """
+import ddl_magic.torch as hvd, torch
+hvd.init()
+hvd.allreduce(torch.ones(4))
+if hvd.rank() == 1:
+    raise ValueError("rank one is unhappy")
+hvd.allreduce(torch.ones(4))
+""",
+    "exits.py": """
+import sys, ddl_magic.torch as hvd
+hvd.init()
+sys.exit(3 if hvd.rank() == 2 else 0)
+""",
+    "long_allreduce.py": """
+import os, torch, ddl_magic.torch as hvd
+hvd.init()
+tensor = torch.ones(8 * 1024 * 1024)
+hvd.allreduce(tensor)
+print(f"READY {os.getpid()}", flush=True)
+while True:
+    hvd.allreduce(tensor)
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("scripts")
+    for name, text in SCRIPTS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def ddlrun(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+class LiveDdlrun:
+    """A ddlrun whose output is read line by line as it comes, to act on it mid-run."""
+
+    def __init__(self, *args, cwd):
+        self.process = subprocess.Popen([sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, prefix, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            assert line is not None, f"ddlrun ended before printing {prefix!r}: {self.seen}"
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def ranks_ready(self, np):
+        """{rank: pid} once every rank has printed 'READY pid'."""
+        ready = {}
+        while len(ready) < np:
+            line = self.wait_for("[")
+            if " READY " in line:
+                ready[int(line[1:line.index("]")])] = int(line.split()[-1])
+        return ready
+
+    def rest(self, timeout=30):
+        self.process.wait(timeout=timeout)
+        while (line := self.lines.get(timeout=timeout)) is not None:
+            self.seen.append(line)
+        return "\n".join(self.seen)
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_every_line_is_prefixed_with_its_rank(scripts):
+    result = ddlrun("-np", "3", "python", "hello.py", cwd=scripts)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for rank in range(3):
+        assert f"[{rank}] hello from {rank} of 3" in lines
+
+
+def test_a_raising_rank_fails_the_run_with_its_traceback_once(scripts):
+    result = ddlrun("-np", "3", "python", "raises.py", cwd=scripts)
+    assert result.returncode == 1
+    output = result.stdout + result.stderr
+    assert output.count("Traceback") == 1
+    assert "rank 1" in output and "ValueError: rank one is unhappy" in output
+    assert 'raises.py", line 6' in output
+
+
+def test_exit_code_is_that_of_the_failing_rank(scripts):
+    result = ddlrun("-np", "3", "exits.py", cwd=scripts)
+    assert result.returncode == 3
+    assert "rank 2" in result.stderr and "exit code 3" in result.stderr
+
+
+def test_killed_rank_stops_the_run_within_two_seconds_leaving_no_process(scripts):
+    run = LiveDdlrun("-np", "3", "python", "long_allreduce.py", cwd=scripts)
+    ready = run.ranks_ready(3)
+    killed_at = time.monotonic()
+    os.kill(ready[1], signal.SIGKILL)
+    output = run.rest(timeout=10)
+    elapsed = time.monotonic() - killed_at
+    assert run.process.returncode == 128 + signal.SIGKILL
+    assert elapsed < 2.0, f"ddlrun took {elapsed:.2f} s to stop after a rank was killed"
+    assert "rank 1" in output and "killed by SIGKILL" in output
+    assert not [pid for pid in ready.values() if process_exists(pid)]
+
+
+def test_ctrl_c_stops_every_rank(scripts):
+    run = LiveDdlrun("-np", "2", "python", "long_allreduce.py", cwd=scripts)
+    ready = run.ranks_ready(2)
+    run.process.send_signal(signal.SIGINT)
+    output = run.rest(timeout=10)
+    assert run.process.returncode == 130
+    assert "interrupted" in output
+    assert not [pid for pid in ready.values() if process_exists(pid)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-np", "2"], "give the script to run"),
+    (["-np", "2", "python", "missing.py"], "not found"),
+    (["-np", "0", "hello.py"], "-np must be at least 1"),
+    (["-np", "2", "--env", "NOEQUALS", "hello.py"], "expected KEY=VALUE"),
+])
+def test_bad_usage_says_what_to_do(scripts, args, message):
+    result = ddlrun(*args, cwd=scripts)
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,102 @@
+"""Rank 0's coordinator: readiness, agreement, fusion, the response cache and stall warnings."""
+
+import torch
+
+from ddl_magic.runtime.negotiation import Coordinator, Request, RequestCache
+
+
+def allreduce(name, numel=4, dtype=torch.float32, op=0):
+    return Request(name, "allreduce", dtype, (numel,), op=op)
+
+
+def coordinator(size=2, fusion=1 << 20, cycle=0.001, stall=60.0):
+    return Coordinator(size, fusion_threshold=fusion, cycle_time_s=cycle, stall_time_s=stall)
+
+
+def test_a_name_is_ready_only_when_every_rank_submitted_it():
+    c = coordinator(size=3)
+    c.submit(0, [allreduce("a")], now=0)
+    c.submit(2, [allreduce("a")], now=0)
+    assert c.take_cycle(now=1) is None
+    c.submit(1, [allreduce("a")], now=0)
+    assert [r.names for r in c.take_cycle(now=1).responses] == [("a",)]
+
+
+def test_responses_follow_readiness_order_not_submission_order():
+    c = coordinator()
+    c.submit(0, [allreduce("a", dtype=torch.float16), allreduce("b", dtype=torch.int32)], now=0)
+    c.submit(1, [allreduce("b", dtype=torch.int32)], now=0)
+    c.submit(1, [allreduce("a", dtype=torch.float16)], now=0)
+    assert [r.names for r in c.take_cycle(now=1).responses] == [("b",), ("a",)]
+
+
+def test_cycle_window_holds_ready_tensors_unless_someone_waits():
+    c = coordinator(cycle=0.5)
+    c.submit(0, [allreduce("a")], now=0)
+    c.submit(1, [allreduce("a")], now=0)
+    assert c.take_cycle(now=0.1) is None
+    assert c.next_deadline() == 0.5
+    c.note_waited(["a"])
+    assert c.take_cycle(now=0.1).responses[0].names == ("a",)
+
+
+def test_same_dtype_and_op_fuse_up_to_the_threshold():
+    c = coordinator(fusion=40)  # 40 bytes: two tensors of 4 float32
+    names = ["a", "b", "c", "d"]
+    requests = [allreduce(n) for n in names] + [allreduce("e", dtype=torch.float64)]
+    for rank in (0, 1):
+        c.submit(rank, requests, now=0)
+    groups = [r.names for r in c.take_cycle(now=1).responses]
+    assert groups == [("a", "b"), ("c", "d"), ("e",)]
+
+
+def test_different_ops_never_fuse():
+    c = coordinator()
+    for rank in (0, 1):
+        c.submit(rank, [allreduce("a", op=1), allreduce("b", op=3)], now=0)
+    assert [r.names for r in c.take_cycle(now=1).responses] == [("a",), ("b",)]
+
+
+def test_mismatched_shapes_give_an_error_naming_tensor_and_ranks():
+    c = coordinator(size=3)
+    c.submit(0, [allreduce("w", numel=4)], now=0)
+    c.submit(1, [allreduce("w", numel=4)], now=0)
+    c.submit(2, [allreduce("w", numel=5)], now=0)
+    (response,) = c.take_cycle(now=1).responses
+    assert "'w'" in response.error and "[0, 2]" in response.error
+    assert "float32[5]" in response.error
+
+
+def test_allgather_may_differ_in_first_dimension_only():
+    c = coordinator()
+    c.submit(0, [Request("g", "allgather", torch.float32, (2, 3))], now=0)
+    c.submit(1, [Request("g", "allgather", torch.float32, (5, 3))], now=0)
+    (response,) = c.take_cycle(now=1).responses
+    assert response.error is None and response.first_dims == (2, 5)
+
+
+def test_unchanged_requests_are_resubmitted_as_cache_ids():
+    c = coordinator()
+    cache = RequestCache()
+    request = allreduce("grad")
+    assert cache.encode(request) == request
+    c.submit(0, [request], now=0)
+    c.submit(1, [request], now=0)
+    cycle = c.take_cycle(now=1)
+    cache.update(cycle.cache_updates)
+    cache_id = cache.encode(request)
+    assert isinstance(cache_id, int)
+    c.submit(0, [cache_id], now=2)
+    c.submit(1, [cache_id], now=2)
+    assert c.take_cycle(now=3).responses[0].names == ("grad",)
+    assert cache.encode(allreduce("grad", numel=8)) != cache_id  # a changed shape is sent in full
+
+
+def test_stall_warning_names_tensor_and_missing_ranks_once():
+    c = coordinator(size=3, stall=10)
+    c.submit(0, [allreduce("slow")], now=0)
+    c.submit(2, [allreduce("slow")], now=0)
+    assert c.stall_warnings(now=5) == []
+    (warning,) = c.stall_warnings(now=11)
+    assert "'slow'" in warning and "ranks [1]" in warning
+    assert c.stall_warnings(now=30) == []
