@@ -1,6 +1,24 @@
-"""ddl_magic: distributed deep learning from a notebook cell."""
+"""ddl_magic: distributed deep learning from a notebook cell.
+
+    %load_ext ddl_magic
+    %%horovod -np 2
+    import ddl_magic.torch as hvd
+    hvd.init()
+    ...
+
+or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``.
+"""
 
 from .job import RankFailedError, RunResult, last_run
+from .runner import HorovodRunner
 
-__all__ = ["RankFailedError", "RunResult", "last_run"]
+__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "last_run", "load_ipython_extension"]
 __version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext ddl_magic`: registers the `%%horovod` cell magic."""
+    from .magic import HorovodMagics, show_run_error
+
+    ipython.register_magics(HorovodMagics)
+    ipython.set_custom_exc(show_run_error.handles, show_run_error)

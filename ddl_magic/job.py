@@ -33,6 +33,10 @@ FAILURE_SETTLE_S = 0.3
 START_TIMEOUT_S = 120.0
 
 
+class RunTimeoutError(TimeoutError):
+    """The run took longer than its timeout; every rank was stopped."""
+
+
 class RankFailedError(RuntimeError):
     """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
 
@@ -105,7 +109,7 @@ class JobOptions:
     timeline_path: str | None = None
     return_all: bool = False
     env: dict[str, str] = field(default_factory=dict)
-    quiet: bool = False
+    hide_output: bool = False  # show only failures and the closing line, not what ranks print
     title: str = ""
 
 
@@ -124,20 +128,25 @@ class Job:
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic", "runs", run_id)
         os.makedirs(log_dir, exist_ok=True)
+        timeline_path = options.timeline_path
+        if timeline_path is None:
+            timeline_path = os.environ.get("HOROVOD_TIMELINE") or None
+        if timeline_path == "":  # asked for, no path given: keep it with the run's logs
+            timeline_path = os.path.join(log_dir, "timeline.json")
         record = RunResult(run_id, self.np, self.launcher.where, log_dir=log_dir,
-                           timeline_path=options.timeline_path)
+                           timeline_path=timeline_path)
         record.ranks = [RankRecord(r, log_path=os.path.join(log_dir, f"rank-{r}.log"))
                         for r in range(self.np)]
         _last_run = record
         self.launcher.check(self.np)
         events: queue.Queue = queue.Queue()
-        settings = {"env": options.env, "timeline": options.timeline_path is not None,
+        settings = {"env": options.env, "timeline": timeline_path is not None,
                     "return_all": options.return_all}
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
-        display = make_display(self.np, quiet=options.quiet, log_dir=log_dir, title=options.title)
-        watcher = _RunWatcher(record, display, options.timeline_path)
+        display = make_display(self.np, quiet=options.hide_output, log_dir=log_dir, title=options.title)
+        watcher = _RunWatcher(record, display, timeline_path)
         outcome = "failed"
         try:
             display.display()
@@ -181,7 +190,7 @@ class _RunWatcher:
                 break
             if timeout_s is not None and now - started > timeout_s:
                 self.record.status = "timed out"
-                raise TimeoutError(
+                raise RunTimeoutError(
                     f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
                     f"Logs: {self.record.log_dir}")
             if now - started > START_TIMEOUT_S and len(server.registered) < self.record.np:

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from .job import Job, JobOptions, RankFailedError
+from .job import Job, JobOptions, RankFailedError, RunTimeoutError
 from .launch.local import LocalLauncher
 from .tasks import ScriptTask
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailedError as exc:
         code = exc.exit_code
         return 128 - code if code is not None and code < 0 else (code or 1)
-    except TimeoutError as exc:
+    except RunTimeoutError as exc:
         print(f"ddlrun: {exc}", file=sys.stderr)
         return 124
     except KeyboardInterrupt:

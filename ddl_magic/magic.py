@@ -1,0 +1,105 @@
+"""The `%%horovod` cell magic: thin glue between IPython and the modules that do the work."""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .capture import CaptureError, capture_cell, format_bytes
+from .job import Job, JobOptions, RankFailedError, RunTimeoutError
+from .run import parse_env
+from .runner import make_launcher
+
+
+class HorovodUsageError(ValueError):
+    """A mistake in the %%horovod line; the message says how to write it.
+
+    Raised (unlike IPython's own UsageError) as a real error, so "Run All" stops here.
+    """
+
+
+@magics_class
+class HorovodMagics(Magics):
+    @magic_arguments()
+    @argument("-np", "--num-proc", dest="np", type=int, required=True,
+              help="number of ranks to run the cell on")
+    @argument("--spark", action="store_true",
+              help="run as Spark barrier tasks on the active SparkSession")
+    @argument("--local", action="store_true",
+              help="run as local processes (the default when no SparkSession is active)")
+    @argument("-o", "--out", metavar="NAME",
+              help="store the result (rank 0's last expression) in the notebook as NAME")
+    @argument("--all-ranks", action="store_true",
+              help="the result is the list of every rank's last expression")
+    @argument("--timeline", nargs="?", const="", metavar="PATH",
+              help="record every rank's timeline (Chrome trace format) to PATH "
+                   "(default: in the run's log folder) and show it after the run")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="stop all ranks if the cell runs longer than this")
+    @argument("--env", action="append", default=[], metavar="KEY=VALUE",
+              help="set an environment variable on every rank (repeatable)")
+    @argument("--quiet", action="store_true",
+              help="don't print the report of captured names and payload size")
+    @cell_magic
+    def horovod(self, line: str, cell: str):
+        """Run this cell on N ranks with ddl_magic's ring-allreduce runtime.
+
+        Example::
+
+            %%horovod -np 2
+            import torch
+            import ddl_magic.torch as hvd
+            hvd.init()
+            total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
+            total.item()          # rank 0's last expression is the cell's result: 3.0
+
+        The cell runs as a function: the notebook names it reads (variables, functions,
+        classes, modules) are sent to every rank; the names it assigns stay on the ranks.
+        Ranks are Spark barrier tasks when a SparkSession is active, else local processes.
+        Every rank's output is shown live, separately. If a rank fails, its traceback is
+        shown and every other rank is stopped; the stop button stops all ranks.
+        """
+        try:
+            args = parse_argstring(self.horovod, line)
+        except UsageError as exc:
+            raise HorovodUsageError(f"{exc}. See %%horovod? for every option.") from None
+        if args.np < 1:
+            raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
+        if args.spark and args.local:
+            raise HorovodUsageError("choose one of --spark and --local")
+        if args.out is not None and not args.out.isidentifier():
+            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
+        try:
+            env = parse_env(args.env)
+        except ValueError as exc:
+            raise HorovodUsageError(str(exc)) from None
+        # The leading newline stands for the %%horovod line, so tracebacks from the ranks
+        # give line numbers as the notebook shows them.
+        captured = capture_cell("\n" + self.shell.transform_cell(cell), self.shell.user_ns)
+        if not args.quiet:
+            print(captured.report())
+        if captured.is_large:
+            print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
+                  "load large data on each rank (from files) instead of capturing it")
+        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
+        options = JobOptions(timeout_s=args.timeout, return_all=args.all_ranks, env=env,
+                             timeline_path=args.timeline,
+                             title=f"%%horovod {line.strip()}")
+        run = Job(captured.payload, args.np, launcher, options).run()
+        value = run.results if args.all_ranks else run.result
+        if args.out:
+            self.shell.user_ns[args.out] = value
+        return value
+
+
+def show_run_error(shell, etype, evalue, tb, tb_offset=None):
+    """Show a failed run or an uncapturable cell as its message alone.
+
+    The message already holds what matters (the rank's own traceback, or the variable
+    that cannot be pickled); the frames of the magic machinery would only bury it.
+    """
+    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {evalue}"])
+
+
+show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError)

@@ -1,0 +1,128 @@
+"""`%%horovod` in a real IPython kernel, cell by cell, as a user runs it in a notebook."""
+
+import os
+import re
+
+import pytest
+
+from kernel import Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    # Plain text output: these tests read the ranks' lines from the cell's stream output
+    # (the widget view has its own tests).
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"}, cwd=str(tmp_path_factory.mktemp("nb")))
+    setup = kernel.run("%load_ext ddl_magic\nimport torch")
+    assert setup.error is None, setup.error
+    yield kernel
+    kernel.close()
+
+
+def pids_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def test_notebook_names_are_captured_and_rank_0_result_is_the_cell_result(kernel):
+    kernel.run("scale = 10\ndef times_scale(x):\n    return x * scale")
+    out = kernel.run(
+        "%%horovod -np 2 -o total\n"
+        "import ddl_magic.torch as hvd\n"
+        "hvd.init()\n"
+        "print(f'rank {hvd.rank()} sees scale={scale}')\n"
+        "times_scale(hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item())")
+    assert out.error is None, out.error
+    assert "captured" in out.stdout and "scale (int)" in out.stdout and "times_scale (function)" in out.stdout
+    assert "[0] rank 0 sees scale=10" in out.stdout
+    assert "[1] rank 1 sees scale=10" in out.stdout
+    assert out.result == "30.0"
+    assert kernel.run("total").result == "30.0"
+
+
+def test_names_the_cell_assigns_stay_on_the_ranks(kernel):
+    kernel.run("model = 'the notebook model'")
+    out = kernel.run("%%horovod -np 2 --quiet\nmodel = 'a rank model'\nmodel")
+    assert out.result == "'a rank model'"
+    assert "captured" not in out.stdout
+    assert kernel.run("model").result == "'the notebook model'"
+
+
+def test_all_ranks_returns_every_ranks_value(kernel):
+    out = kernel.run("%%horovod -np 3 --all-ranks --quiet\n"
+                     "import ddl_magic.torch as hvd\nhvd.init()\nhvd.rank() * 10")
+    assert out.error is None, out.error
+    assert out.result == "[0, 10, 20]"
+
+
+def test_output_lines_are_attributed_to_their_rank(kernel):
+    out = kernel.run("%%horovod -np 2\n"
+                     "import sys, logging\nimport ddl_magic.torch as hvd\nhvd.init()\n"
+                     "for i in range(3):\n    print(f'line {i} from rank {hvd.rank()}')\n"
+                     "print(f'warning from rank {hvd.rank()}', file=sys.stderr)\n"
+                     "logging.warning('logged by rank %d', hvd.rank())")
+    for rank in range(2):
+        for i in range(3):
+            assert out.stdout.count(f"[{rank}] line {i} from rank {rank}\n") == 1
+        assert f"[{rank}] warning from rank {rank}" in out.stderr
+        assert f"[{rank}] WARNING:root:logged by rank {rank}" in out.stderr
+
+
+def test_a_failing_rank_shows_its_traceback_and_the_next_cell_runs(kernel):
+    out = kernel.run("%%horovod -np 2 --quiet\n"
+                     "import ddl_magic.torch as hvd\nhvd.init()\n"
+                     "if hvd.rank() == 1:\n    raise RuntimeError('loss is nan on rank 1')\n"
+                     "hvd.allreduce(torch.ones(1))")
+    assert out.error is not None and out.error["ename"] == "RankFailedError"
+    assert "rank 1" in out.error["evalue"] and "loss is nan on rank 1" in out.error["evalue"]
+    assert "line 5" in out.error["evalue"]  # the line number as the notebook shows it
+    record = kernel.run("import ddl_magic\nr = ddl_magic.last_run()\n"
+                        "[(x.rank, x.status) for x in r.ranks], r.status")
+    assert record.result == "([(0, 'stopped'), (1, 'failed')], 'failed')"
+    assert kernel.run("%%horovod -np 2 --quiet\n1 + 1").result == "2"
+
+
+def test_unpicklable_variable_is_named_before_anything_starts(kernel):
+    kernel.run("import threading\nlock = threading.Lock()")
+    out = kernel.run("%%horovod -np 2\nwith lock:\n    pass")
+    assert out.error is not None and out.error["ename"] == "CaptureError"
+    assert "'lock'" in out.error["evalue"] and "Create it inside the cell" in out.error["evalue"]
+    assert "captured" not in out.stdout  # nothing was launched
+
+
+@pytest.mark.parametrize("line, message", [
+    ("-np 0", "-np must be at least 1"),
+    ("-np 2 --spark --local", "choose one of --spark and --local"),
+    ("-np 2 -o 2bad", "valid Python name"),
+    ("-np 2 --env NOEQUALS", "expected KEY=VALUE"),
+])
+def test_bad_options_say_how_to_write_them(kernel, line, message):
+    out = kernel.run(f"%%horovod {line}\n1")
+    assert out.error is not None and message in out.error["evalue"]
+
+
+def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
+    seen = []
+
+    def on_output(text):
+        seen.append(text)
+        if len(re.findall(r"READY (\d+)", "".join(seen))) == 2 and not interrupted:
+            interrupted.append(True)
+            kernel.interrupt()
+
+    interrupted = []
+    out = kernel.run("%%horovod -np 2 --quiet\n"
+                     "import os, time\nimport ddl_magic.torch as hvd\nhvd.init()\n"
+                     "print('READY', os.getpid(), flush=True)\n"
+                     "while True:\n    hvd.allreduce(torch.ones(1000))",
+                     timeout=60, on_output=on_output)
+    pids = [int(pid) for pid in re.findall(r"READY (\d+)", "".join(seen))]
+    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
+    assert pids_alive(pids) == []
+    assert kernel.run("%%horovod -np 2 --quiet\n'still works'").result == "'still works'"
