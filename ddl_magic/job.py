@@ -110,6 +110,7 @@ class JobOptions:
     return_all: bool = False
     env: dict[str, str] = field(default_factory=dict)
     hide_output: bool = False  # show only failures and the closing line, not what ranks print
+    use_gpu: bool = False  # each rank pins the GPU of its local_rank
     title: str = ""
 
 
@@ -139,8 +140,11 @@ class Job:
                         for r in range(self.np)]
         _last_run = record
         self.launcher.check(self.np)
+        if options.use_gpu:
+            self.launcher.check_gpus(self.np)
         events: queue.Queue = queue.Queue()
-        settings = {"env": options.env, "timeline": timeline_path is not None,
+        env = {**options.env, "DDL_MAGIC_GPU": "1"} if options.use_gpu else options.env
+        settings = {"env": env, "timeline": timeline_path is not None,
                     "return_all": options.return_all}
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,

@@ -39,6 +39,8 @@ class HorovodMagics(Magics):
               help="stop all ranks if the cell runs longer than this")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable on every rank (repeatable)")
+    @argument("--gpu", action="store_true",
+              help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
     @argument("--quiet", action="store_true",
               help="don't print the report of captured names and payload size")
     @cell_magic
@@ -84,7 +86,7 @@ class HorovodMagics(Magics):
                   "load large data on each rank (from files) instead of capturing it")
         launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         options = JobOptions(timeout_s=args.timeout, return_all=args.all_ranks, env=env,
-                             timeline_path=args.timeline,
+                             timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}")
         run = Job(captured.payload, args.np, launcher, options).run()
         value = run.results if args.all_ranks else run.result

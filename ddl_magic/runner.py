@@ -49,11 +49,13 @@ class HorovodRunner:
 
     `driver_log_verbosity="all"` shows every rank's output in the notebook (the default);
     `"log_callback_only"` shows only failures and the summary. `timeline=PATH` records every
-    rank's timeline to PATH.
+    rank's timeline to PATH. `use_gpu=True` pins each rank to the GPU of its local_rank
+    (checked before anything starts).
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
-                 timeout: float | None = None, env: dict[str, str] | None = None):
+                 timeout: float | None = None, env: dict[str, str] | None = None,
+                 use_gpu: bool = False):
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
             raise ValueError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
@@ -62,7 +64,7 @@ class HorovodRunner:
             raise ValueError("driver_log_verbosity must be 'all' or 'log_callback_only'")
         self.num_processor = np
         self._options = JobOptions(timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
-                                   hide_output=driver_log_verbosity != "all",
+                                   hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
                                    title=f"HorovodRunner(np={np})")
         self.last_run: RunResult | None = None
 

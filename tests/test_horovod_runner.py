@@ -33,3 +33,12 @@ def test_np_must_be_a_nonzero_integer(np):
 def test_an_unpicklable_argument_is_named_before_launch():
     with pytest.raises(CaptureError, match="argument 'offset'"):
         HorovodRunner(np=-2).run(allreduce_ranks, offset=threading.Lock())
+
+
+def test_asking_for_gpus_without_any_is_an_error_before_launch():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        HorovodRunner(np=-2, use_gpu=True).run(allreduce_ranks, offset=0.0)

@@ -41,6 +41,18 @@ class LocalLauncher:
     def check(self, np: int) -> None:
         """Nothing to check up front: any number of local processes can start."""
 
+    def check_gpus(self, np: int) -> None:
+        """Every rank needs a GPU of this machine: say so before starting any."""
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError("GPUs were asked for (--gpu / use_gpu=True), but this machine has no "
+                             "CUDA GPU that torch can see: drop the GPU option to train on CPU")
+        if count < np:
+            raise ValueError(f"{np} ranks need {np} GPUs, but this machine has {count}: "
+                             f"use -np {count} or fewer, or drop the GPU option")
+
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
               events: queue.Queue) -> None:
         base_env = dict(os.environ)

@@ -16,7 +16,8 @@ import torch
 from .. import kernels
 from .negotiation import Request, Response
 from .reduce_ops import ReduceOp
-from .ring import SEGMENT_BYTES, ring_allgather, ring_allreduce, ring_broadcast
+from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
+                   ring_broadcast)
 from .timeline import recorder
 from .transport import RingTransport
 
@@ -37,8 +38,9 @@ class CollectiveRunner:
 
     def __init__(self, transport: RingTransport):
         self.transport = transport
-        self._fusion: dict[torch.dtype, torch.Tensor] = {}
+        self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
     def run(self, response: Response, entries: list[Entry]) -> None:
         """Run `response` and write results into the entries' outputs."""
@@ -53,36 +55,56 @@ class CollectiveRunner:
     def _allreduce(self, entries: list[Entry]) -> None:
         request = entries[0].request
         op = ReduceOp(request.op)
-        postscale = request.postscale / self.transport.world.size if op is ReduceOp.AVERAGE \
-            else request.postscale
-        single = len(entries) == 1 and _is_host_contiguous(entries[0].output)
-        if single:
-            # One tensor: reduce directly in its output, skipping the fusion buffer's two copies.
-            entry = entries[0]
-            if entry.output is not entry.tensor:
-                entry.output.copy_(entry.tensor)
-            buffer = entry.output.view(-1)
-            _scale(buffer, request.prescale)
-        else:
-            buffer = self._fusion_buffer(request.dtype, sum(e.tensor.numel() for e in entries))
-            with recorder.span("pack", _names(entries), bytes=buffer.numel() * buffer.element_size()):
-                kernels.pack([_host(e.tensor) for e in entries], buffer, request.prescale)
-        reduce = _reducer(op)
+        size = self.transport.world.size
+        postscale = request.postscale / size if op is ReduceOp.AVERAGE else request.postscale
+        if len(entries) == 1 and _is_host_contiguous(entries[0].output):
+            self._allreduce_in_place(entries[0], op, postscale)
+            return
+        devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        numel = sum(e.tensor.numel() for e in entries)
+        names = _names(entries)
+        # Pack where the tensors live (on a GPU: one Triton launch for all of them), ...
+        fused = self._fusion_buffer(request.dtype, numel, device)
+        with recorder.span("pack", names, bytes=numel * request.dtype.itemsize):
+            kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
+        # ... reduce over TCP from host memory (pinned, for fast copies from and to a GPU), ...
+        wire = fused if device.type == "cpu" else self._staged_on_host(fused)
+        self._ring_allreduce(wire, op, names)
+        if wire is not fused:
+            fused.copy_(wire)
+        # ... and unpack where the outputs live, applying the postscale on the way.
+        with recorder.span("unpack", names, bytes=numel * request.dtype.itemsize):
+            outputs = [e.output for e in entries]
+            staged = [_on(o, device) for o in outputs]
+            kernels.unpack(fused, staged, postscale)
+            _copy_back(outputs, staged)
+
+    def _allreduce_in_place(self, entry: Entry, op: ReduceOp, postscale: float) -> None:
+        """One host tensor: reduce directly in its output, skipping the fusion buffer's copies."""
+        if entry.output is not entry.tensor:
+            entry.output.copy_(entry.tensor)
+        buffer = entry.output.view(-1)
+        _scale(buffer, entry.request.prescale)
+        self._ring_allreduce(buffer, op, entry.request.name)
+        _scale(buffer, postscale)
+
+    def _ring_allreduce(self, buffer: torch.Tensor, op: ReduceOp, names: str) -> None:
         nbytes = buffer.numel() * buffer.element_size()
-        names, size = _names(entries), self.transport.world.size
+        observer = _TimelineObserver(names, nbytes, self.transport) if recorder.enabled else UNOBSERVED
+        ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype), observer)
 
-        def phase(lane: str):
-            return recorder.span(lane, names, bytes=nbytes, tensors=len(entries), size=size)
-
-        ring_allreduce(buffer, self.transport, reduce, self._scratch_for(request.dtype), phase)
-        if single:
-            _scale(buffer, postscale)
-        else:
-            with recorder.span("unpack", _names(entries), bytes=nbytes):
-                outputs = [e.output for e in entries]
-                staged = [_host(o) for o in outputs]
-                kernels.unpack(buffer, staged, postscale)
-                _copy_back(outputs, staged)
+    def _staged_on_host(self, device_buffer: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy of `device_buffer`, reusing one pinned buffer per dtype."""
+        numel, dtype = device_buffer.numel(), device_buffer.dtype
+        pinned = self._pinned.get(dtype)
+        if pinned is None or pinned.numel() < numel:
+            pinned = torch.empty(numel, dtype=dtype, pin_memory=True)
+            self._pinned[dtype] = pinned
+        host = pinned[:numel]
+        host.copy_(device_buffer, non_blocking=True)
+        torch.cuda.current_stream(device_buffer.device).synchronize()
+        return host
 
     def _allgather(self, entry: Entry, first_dims: tuple[int, ...]) -> None:
         tensor = entry.tensor
@@ -98,7 +120,7 @@ class CollectiveRunner:
         flat[own_start:own_end].copy_(_host(tensor).reshape(-1))
         with recorder.span("allgather", entry.request.name, bytes=flat.numel() * flat.element_size(),
                            size=self.transport.world.size):
-            ring_allgather(flat, bounds, self.transport, owned=rank)
+            ring_allgather(flat, bounds, self.transport, rank)
         entry.output = output.to(tensor.device) if tensor.device.type != "cpu" else output
 
     def _broadcast(self, entry: Entry) -> None:
@@ -112,11 +134,11 @@ class CollectiveRunner:
         if staged is not output:
             output.copy_(staged)
 
-    def _fusion_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        buffer = self._fusion.get(dtype)
+    def _fusion_buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        buffer = self._fusion.get((dtype, device))
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype)
-            self._fusion[dtype] = buffer
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._fusion[(dtype, device)] = buffer
         return buffer[:numel]
 
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
@@ -125,6 +147,24 @@ class CollectiveRunner:
             scratch = torch.empty(max(1, SEGMENT_BYTES // dtype.itemsize), dtype=dtype)
             self._scratch[dtype] = scratch
         return scratch
+
+
+class _TimelineObserver(RingObserver):
+    """Records each ring phase, and each step's chunks, as timeline events."""
+
+    def __init__(self, names: str, nbytes: int, transport: RingTransport):
+        self.names, self.nbytes = names, nbytes
+        self.world = transport.world
+        self.right, self.left = transport.right_rank, transport.left_rank
+
+    def phase(self, name: str):
+        return recorder.span(name, self.names, bytes=self.nbytes, size=self.world.size)
+
+    def step(self, phase, step, sent_chunk, received_chunk, nbytes, started_ns) -> None:
+        recorder.record("ring_step", f"{phase} step {step}", started_ns, time.monotonic_ns(),
+                        {"phase": phase, "step": step, "sent_chunk": sent_chunk,
+                         "received_chunk": received_chunk, "bytes": nbytes,
+                         "to": self.right, "from": self.left})
 
 
 def _reducer(op: ReduceOp):
@@ -151,7 +191,11 @@ def _is_host_contiguous(tensor: torch.Tensor) -> bool:
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """CPU tensors as they are; CUDA tensors staged through host memory for the TCP ring."""
-    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
+    return _on(tensor, torch.device("cpu"))
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.detach().to(device)
 
 
 def _copy_back(outputs: list[torch.Tensor], staged: list[torch.Tensor]) -> None:

@@ -82,10 +82,19 @@ def init() -> Runtime:
             world = derive_world(bootstrap.rank, bootstrap.peers)
             transport = connect_ring(world, bootstrap.listener, bootstrap.secret,
                                      timeout=settings.timeout_s, op_timeout=settings.timeout_s)
+        if os.environ.get("DDL_MAGIC_GPU") == "1":
+            _pin_gpu(world.local_rank)
         queue = OpQueue(transport, settings.fusion_threshold, settings.cycle_time_s,
                         settings.stall_time_s)
         _runtime = Runtime(world, queue)
         return _runtime
+
+
+def _pin_gpu(local_rank: int) -> None:
+    """One GPU per rank on a host, chosen by local_rank, as Horovod scripts do themselves."""
+    import torch
+
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
 def shutdown() -> None:

@@ -37,6 +37,7 @@ What the loops below add to the lecture:
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, ContextManager
 
 import torch
@@ -48,11 +49,21 @@ from .transport import RingTransport
 SEGMENT_BYTES = 1 << 20
 
 Reduce = Callable[[torch.Tensor, torch.Tensor], None]  # reduce(dst, src): dst op= src
-Phase = Callable[[str], ContextManager]  # phase("scatter_reduce") wraps that phase, e.g. for timing
 
 
-def _unobserved(phase: str) -> ContextManager:
-    return contextlib.nullcontext()
+class RingObserver:
+    """Watches the ring at work (the timeline does, when it is on). This base watches nothing."""
+
+    def phase(self, name: str) -> ContextManager:
+        """Wraps one phase: "scatter_reduce" or "allgather"."""
+        return contextlib.nullcontext()
+
+    def step(self, phase: str, step: int, sent_chunk: int, received_chunk: int, nbytes: int,
+             started_ns: int) -> None:
+        """One step of a phase finished: which chunks went right and came from the left."""
+
+
+UNOBSERVED = RingObserver()
 
 
 def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -71,23 +82,24 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 def ring_allreduce(buffer: torch.Tensor, transport: RingTransport, reduce: Reduce,
-                   scratch: torch.Tensor, phase: Phase = _unobserved) -> None:
+                   scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
     """Reduce the 1-D `buffer` across all ranks, in place; `scratch` holds one received segment."""
     size = transport.world.size
     if size == 1 or buffer.numel() == 0:
         return
     bounds = chunk_bounds(buffer.numel(), size)
-    with phase("scatter_reduce"):
-        scatter_reduce(buffer, bounds, transport, reduce, scratch)
-    with phase("allgather"):
-        ring_allgather(buffer, bounds, transport, owned=transport.world.rank + 1)
+    with observer.phase("scatter_reduce"):
+        scatter_reduce(buffer, bounds, transport, reduce, scratch, observer)
+    with observer.phase("allgather"):
+        ring_allgather(buffer, bounds, transport, transport.world.rank + 1, observer)
 
 
 def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transport: RingTransport,
-                   reduce: Reduce, scratch: torch.Tensor) -> None:
+                   reduce: Reduce, scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
     """After this, rank r holds the reduction over all ranks of chunk (r + 1) of `buffer`."""
     rank, size = transport.world.rank, transport.world.size
     for step in range(size - 1):
+        started_ns = time.monotonic_ns()
         send_chunk = (rank - step) % size
         recv_chunk = (rank - step - 1) % size
         sending = transport.send_to_right(_bytes(_chunk(buffer, bounds, send_chunk)))
@@ -99,10 +111,12 @@ def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
             transport.recv_from_left(_bytes(theirs))
             reduce(mine, theirs)
         sending.wait()
+        observer.step("scatter_reduce", step, send_chunk, recv_chunk,
+                      received.numel() * received.element_size(), started_ns)
 
 
 def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transport: RingTransport,
-                   owned: int) -> None:
+                   owned: int, observer: RingObserver = UNOBSERVED) -> None:
     """Circulate the chunks so every rank ends with all of them.
 
     On entry each rank r holds only chunk (`owned`) — (r + 1) after a scatter-reduce, r for a
@@ -111,11 +125,15 @@ def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
     """
     size = transport.world.size
     for step in range(size - 1):
+        started_ns = time.monotonic_ns()
         send_chunk = (owned - step) % size
         recv_chunk = (owned - step - 1) % size
+        received = _chunk(buffer, bounds, recv_chunk)
         sending = transport.send_to_right(_bytes(_chunk(buffer, bounds, send_chunk)))
-        transport.recv_from_left(_bytes(_chunk(buffer, bounds, recv_chunk)))
+        transport.recv_from_left(_bytes(received))
         sending.wait()
+        observer.step("allgather", step, send_chunk, recv_chunk,
+                      received.numel() * received.element_size(), started_ns)
 
 
 def ring_broadcast(buffer: torch.Tensor, transport: RingTransport, root: int) -> None:
