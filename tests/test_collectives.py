@@ -182,3 +182,28 @@ def reports():
 def test_collective(reports, np, check):
     failures = {rank: report[check] for rank, report in enumerate(reports(np)) if report[check]}
     assert failures == {}
+
+
+def uneven_data_with_join():
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    sums = []
+    for step in range(hvd.rank() + 1):  # rank r has r + 1 batches
+        sums.append(hvd.allreduce(torch.ones(3) * (hvd.rank() + 1), name=f"grad.{step}",
+                                  op=hvd.Sum).tolist())
+    last = hvd.join()
+    after = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()  # everyone is back
+    return sums, last, after
+
+
+def test_join_lets_ranks_with_less_data_contribute_zeros():
+    results = run_on_ranks(uneven_data_with_join, 3)
+    # step s is summed over the ranks that still have data: ranks s..2 contribute r + 1
+    expected = [[float(sum(r + 1 for r in range(step, 3)))] * 3 for step in range(3)]
+    for rank, (sums, last, after) in enumerate(results):
+        assert sums == expected[:rank + 1]
+        assert last == 2
+        assert after == 3.0

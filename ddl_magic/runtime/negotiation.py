@@ -11,6 +11,9 @@ rank 0's gradient A with rank 1's gradient B. Rank 0 coordinates:
    same dtype and op into one response up to the fusion threshold;
 4. every rank executes the responses in that order.
 
+A rank that has run out of data calls `join()`: from then on it counts as having submitted
+every allreduce, and takes part with zeros, until every rank has joined.
+
 Steady state is cheap: once a name has been negotiated, rank 0 gives its request a cache id
 and ranks resubmit an unchanged request as that small integer.
 
@@ -31,7 +34,7 @@ class Request:
     """One rank's description of one named collective."""
 
     name: str
-    kind: str  # "allreduce", "allgather", "broadcast" or "barrier"
+    kind: str  # "allreduce", "allgather", "broadcast", "barrier" or "join"
     dtype: torch.dtype
     shape: tuple[int, ...]
     op: int = 0
@@ -77,6 +80,9 @@ class Response:
     names: tuple[str, ...]
     error: str | None = None
     first_dims: tuple[int, ...] = ()  # allgather: each rank's first dimension, in rank order
+    # Ranks that have called join() contribute zeros; these requests tell them the shapes.
+    for_joined_ranks: tuple[Request, ...] = ()
+    last_joined_rank: int = -1  # join: the rank that joined last
 
 
 @dataclass
@@ -118,6 +124,7 @@ class Coordinator:
         self._stall_warned: set[str] = set()
         self._cache: dict[int, Request] = {}
         self._cache_id_of: dict[Request, int] = {}
+        self._joined: list[int] = []  # in the order ranks called join()
 
     def submit(self, rank: int, requests: list["Request | int"], now: float) -> None:
         """Record requests from `rank` (full requests, or cache ids of unchanged ones)."""
@@ -131,10 +138,23 @@ class Coordinator:
                 )
             by_rank[rank] = request
             self._first_seen.setdefault(request.name, now)
-            if len(by_rank) == self.size:
-                self._ready.append(request.name)
-                if self._ready_since is None:
-                    self._ready_since = now
+            if request.kind == "join":
+                self._joined.append(rank)
+                for name in list(self._submitted):  # joined ranks may complete waiting names
+                    self._mark_if_ready(name, now)
+            else:
+                self._mark_if_ready(request.name, now)
+
+    def _mark_if_ready(self, name: str, now: float) -> None:
+        submitted = self._submitted[name]
+        if name in self._ready:
+            return
+        if len(submitted) < self.size:
+            if _any(submitted).kind == "join" or len(submitted.keys() | set(self._joined)) < self.size:
+                return
+        self._ready.append(name)
+        if self._ready_since is None:
+            self._ready_since = now
 
     def note_waited(self, names: list[str]) -> None:
         """Some rank is blocked in synchronize() on these names: don't hold them for fusion."""
@@ -155,7 +175,7 @@ class Coordinator:
         """The responses to run now, or None to keep collecting (cycle window still open)."""
         if not self._ready:
             return None
-        ready_bytes = sum(self._submitted[name][0].nbytes for name in self._ready)
+        ready_bytes = sum(_any(self._submitted[name]).nbytes for name in self._ready)
         flush = (
             any(name in self._waited for name in self._ready)
             or now - self._ready_since >= self.cycle_time_s
@@ -167,13 +187,14 @@ class Coordinator:
         slots: list[Response | list[str]] = []  # a list is a fusion group still filling up
         groups: dict[tuple, list[str]] = {}
         group_bytes: dict[tuple, int] = {}
+        request_of: dict[str, Request] = {}
         for name in self._ready:
             requests = self._submitted.pop(name)
             del self._first_seen[name]
             self._waited.discard(name)
             self._stall_warned.discard(name)
             response = self._respond(name, requests)
-            request = requests[0]
+            request = request_of[name] = _any(requests)
             if response.error is None:
                 self._remember(request, cycle)
             if response.error is not None or response.kind != "allreduce":
@@ -189,8 +210,12 @@ class Coordinator:
                 slots.append(groups[key])
         self._ready.clear()
         self._ready_since = None
-        cycle.responses = [Response("allreduce", tuple(slot)) if isinstance(slot, list) else slot
-                           for slot in slots]
+        cycle.responses = [
+            Response("allreduce", tuple(slot),
+                     for_joined_ranks=tuple(request_of[n] for n in slot) if self._joined else ())
+            if isinstance(slot, list) else slot
+            for slot in slots
+        ]
         return cycle
 
     def stall_warnings(self, now: float) -> list[str]:
@@ -210,14 +235,26 @@ class Coordinator:
         return warnings
 
     def _respond(self, name: str, requests: dict[int, Request]) -> Response:
-        first = requests[0]
-        disagreeing = [rank for rank in range(1, self.size) if not requests[rank].agrees_with(first)]
+        first = _any(requests)
+        if first.kind == "join":
+            last = self._joined[-1]
+            self._joined.clear()
+            return Response("join", (name,), last_joined_rank=last)
+        ranks = sorted(requests)
+        disagreeing = [rank for rank in ranks[1:] if not requests[rank].agrees_with(first)]
         if disagreeing:
             details = "; ".join(f"rank {rank}: {requests[rank].describe()}"
-                                for rank in [0] + disagreeing)
+                                for rank in [ranks[0]] + disagreeing)
             return Response(first.kind, (name,), error=(
-                f"mismatched collective for tensor {name!r} between ranks {[0] + disagreeing}: "
-                f"{details}. Every rank must submit the same shape, dtype and op under one name."
+                f"mismatched collective for tensor {name!r} between ranks "
+                f"{[ranks[0]] + disagreeing}: {details}. Every rank must submit the same shape, "
+                "dtype and op under one name."
+            ))
+        absent = sorted(set(range(self.size)) - set(requests))
+        if absent and first.kind != "allreduce":
+            return Response(first.kind, (name,), error=(
+                f"{first.kind} of {name!r} cannot run: ranks {absent} have called join(). "
+                "After join() only allreduce continues (joined ranks contribute zeros)."
             ))
         if first.kind == "allgather":
             dims = tuple(requests[rank].shape[0] if requests[rank].shape else 1
@@ -232,3 +269,8 @@ class Coordinator:
         self._cache[cache_id] = request
         self._cache_id_of[request] = cache_id
         cycle.cache_updates[cache_id] = request
+
+
+def _any(requests: dict[int, Request]) -> Request:
+    """One rank's request for a name (they agree, or the response is an error)."""
+    return next(iter(requests.values()))

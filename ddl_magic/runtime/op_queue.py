@@ -213,7 +213,10 @@ class OpQueue:
 
     def _execute(self, cycle: Cycle) -> None:
         for response in cycle.responses:
-            entries = [self._pending.pop(name) for name in response.names]
+            entries = [self._pending.pop(name, None) for name in response.names]
+            if None in entries:  # this rank has joined: it takes part with zeros
+                entries = [entry or _zeros_entry(request)
+                           for entry, request in zip(entries, response.for_joined_ranks)]
             if recorder.enabled:
                 recorder.record("negotiate", _label(response), min(e.submitted_ns for e in entries),
                                 time.monotonic_ns())
@@ -222,6 +225,8 @@ class OpQueue:
                 for entry in entries:
                     entry.handle._complete(error=error)
                 continue
+            if response.kind == "join":
+                entries[0].output = torch.tensor(response.last_joined_rank)
             self._runner.run(response, entries)
             for entry in entries:
                 entry.handle._complete(output=entry.output)
@@ -234,6 +239,21 @@ class OpQueue:
         for entry in [*self._pending.values(), *leftover]:
             entry.handle._complete(error=error)
         self._pending.clear()
+
+
+def _zeros_entry(request: Request) -> Entry:
+    zeros = torch.zeros(request.shape, dtype=request.dtype)
+    return Entry(request, zeros, zeros, _DISCARDED)
+
+
+class _Discarded:
+    """The handle of a joined rank's zero contribution: nobody waits for it."""
+
+    def _complete(self, output=None, error=None) -> None:
+        pass
+
+
+_DISCARDED = _Discarded()
 
 
 def _label(response: Response) -> str:

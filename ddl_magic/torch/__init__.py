@@ -22,7 +22,7 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
                   allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                   broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allreduce,
-                  grouped_allreduce_async, init, is_initialized, local_rank, local_size, poll,
+                  grouped_allreduce_async, init, is_initialized, join, local_rank, local_size, poll,
                   rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer
 
@@ -32,7 +32,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_async", "allgather", "allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "allgather_object", "barrier",
-    "poll", "synchronize",
+    "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "HorovodInternalError",

@@ -256,3 +256,13 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def barrier(process_set=None) -> None:
     """Return once every rank has called `barrier()`."""
     synchronize(_submit("barrier", "barrier", None, None, None))
+
+
+def join(device: int = -1) -> int:
+    """Wait for every rank to join, meanwhile taking part in other ranks' allreduces with zeros.
+
+    For ranks with uneven amounts of data: a rank that runs out calls `join()` while the
+    others keep training; their averages still divide by `size()`. Returns the rank that
+    joined last. Allgather and broadcast raise while some rank has joined.
+    """
+    return int(synchronize(_submit("join", "join", None, None, "join")).item())
