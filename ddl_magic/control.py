@@ -14,7 +14,8 @@ import socket
 import threading
 import time
 
-from .events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from .events import (RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch,
+                     TimelineStarted)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -142,6 +143,8 @@ class ControlServer:
                     self.events.put(RankOutput(rank, stream, text, replace))
             elif kind == "timeline":
                 self.events.put(TimelineBatch(rank, message[1]))
+            elif kind == "timeline_start":
+                self.events.put(TimelineStarted(rank, message[1]))
             elif kind == "done":
                 self._finished.add(rank)
                 self.events.put(RankFinished(rank, message[1]))

@@ -65,4 +65,12 @@ class TimelineBatch:
     events: list = field(default_factory=list)
 
 
-Event = RankStarted | RankOutput | RankFinished | RankFailed | TimelineBatch
+@dataclass(frozen=True)
+class TimelineStarted:
+    """A rank called `hvd.start_timeline(path)`: the driver writes the run's trace to `path`."""
+
+    rank: int
+    path: str
+
+
+Event = RankStarted | RankOutput | RankFinished | RankFailed | TimelineBatch | TimelineStarted

@@ -20,7 +20,8 @@ from typing import Any
 import cloudpickle
 
 from .control import ControlServer
-from .events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from .events import (RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch,
+                     TimelineStarted)
 from .launch.local import ProcessExited, describe_exit
 from .protocol import new_secret
 from .trace_writer import TraceWriter
@@ -229,6 +230,9 @@ class _RunWatcher:
             if self._trace is not None:
                 self._trace.write(event.rank, event.events)
             return
+        if isinstance(event, TimelineStarted):
+            self._start_trace(event.path)
+            return
         rank = record.ranks[event.rank]
         if isinstance(event, RankStarted):
             rank.host, rank.pid, rank.status, rank.started_at = event.host, event.pid, "running", time.time()
@@ -243,6 +247,16 @@ class _RunWatcher:
             self._record_failure(rank, event)
             return  # shown by _raise_failure, once the failures of this moment are all in
         self.display.handle(event)
+
+    def _start_trace(self, path: str) -> None:
+        """The first rank to call hvd.start_timeline(path) decides where the run's trace goes."""
+        if self._trace is not None:
+            return
+        self._trace = TraceWriter(path)
+        self.record.timeline_path = path
+        for rank in self.record.ranks:
+            if rank.started_at is not None:
+                self._trace.add_rank(rank.rank, rank.host)
 
     def _record_failure(self, rank: RankRecord, failure: RankFailed) -> None:
         if rank.status in ("failed", "stopped"):

@@ -37,6 +37,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # The control channel of this process's run, for runtime calls that talk to the driver
 # (hvd.start_timeline). None outside a launched rank.
 control: Channel | None = None
+_shipper: "_TimelineShipper | None" = None
 _leaving = threading.Event()  # set once the rank has finished: losing the driver is expected then
 
 
@@ -66,13 +67,13 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
     os.environ.update(settings["env"])
     context.bootstrap = context.RankBootstrap(rank, [Peer(*p) for p in peers], secret, listener)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
-    shipper = _TimelineShipper(channel) if settings["timeline"] else None
+    if settings["timeline"]:
+        start_timeline_shipping()
     with _ForwardedOutput(channel):
         exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
         if exit_code == 0:
             context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
-    if shipper is not None:
-        shipper.stop()
+    stop_timeline_shipping()
     _leaving.set()
     channel.send(report)
     channel.close()
@@ -137,6 +138,21 @@ def _obey_driver(channel: Channel) -> None:
         pass  # the driver went away
     if not _leaving.is_set():
         os._exit(143)  # the driver already knows why: it asked, or it is gone
+
+
+def start_timeline_shipping() -> None:
+    """Record this rank's timeline and ship it to the driver (idempotent)."""
+    global _shipper
+    if _shipper is None:
+        _shipper = _TimelineShipper(control)
+
+
+def stop_timeline_shipping() -> None:
+    """Stop recording; what was recorded so far still reaches the driver."""
+    global _shipper
+    if _shipper is not None:
+        _shipper.stop()
+        _shipper = None
 
 
 class _TimelineShipper:
@@ -230,4 +246,8 @@ class _ForwardedOutput:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as the module ddl_magic.worker, not as __main__: the runtime (hvd.start_timeline)
+    # looks for this rank's control channel there.
+    from ddl_magic import worker
+
+    worker.main()

@@ -25,6 +25,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   grouped_allreduce_async, init, is_initialized, join, local_rank, local_size, poll,
                   rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer
+from .timeline import start_timeline, stop_timeline, timeline_span
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,5 +36,5 @@ __all__ = [
     "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-    "HorovodInternalError",
+    "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError",
 ]

@@ -1,0 +1,53 @@
+"""Timeline switches of Horovod's API, and user spans.
+
+    with hvd.timeline_span("forward"):
+        output = model(batch)
+
+    hvd.start_timeline("/tmp/trace.json")   # as in Horovod: record from here on
+    ...
+    hvd.stop_timeline()
+
+In a launched run every rank records into its own buffer and the driver writes the one merged
+trace. A script run with plain `python` (a world of one) writes the trace itself on stop.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import ContextManager
+
+from .. import worker
+from ..runtime.timeline import recorder
+from ..trace_writer import TraceWriter
+
+_standalone_path: str | None = None
+
+
+def timeline_span(name: str, **args) -> ContextManager:
+    """Record the time the `with` body takes as one event in the "user" lane."""
+    return recorder.span("user", name, **args)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording the timeline to `file_path` (Chrome trace format)."""
+    global _standalone_path
+    if worker.control is not None:
+        worker.control.send(("timeline_start", str(file_path)))
+        worker.start_timeline_shipping()
+    else:
+        _standalone_path = str(file_path)
+        recorder.enabled = True
+
+
+def stop_timeline() -> None:
+    """Stop recording; everything recorded so far is written."""
+    global _standalone_path
+    if worker.control is not None:
+        worker.stop_timeline_shipping()
+        return
+    recorder.enabled = False
+    if _standalone_path is not None:
+        with TraceWriter(_standalone_path) as trace:
+            trace.add_rank(0, socket.gethostname())
+            trace.write(0, recorder.drain())
+        _standalone_path = None
