@@ -1,0 +1,635 @@
+"""Read a run's timeline, summarise it, and draw it in the notebook.
+
+The viewer summarises before it draws: ``summarize`` says per rank how much time went to
+computing, communicating and waiting, and what bus bandwidth the ring achieved; the figure
+then shows a row per (rank, lane). Big traces are drawn as merged busy intervals, so a
+million events still make a figure of a megabyte or two at most instead of crashing the
+browser, as Horovod's 400 MB timelines did in chrome://tracing.
+
+Two formats are read:
+
+* ours, written by ``ddl_magic.trace_writer.TraceWriter``: a Chrome trace object of
+  complete (``"ph": "X"``) events with ``pid`` = rank and ``cat`` = lane;
+* Horovod's ``HOROVOD_TIMELINE`` file: a JSON array, often without its closing ``]``, with
+  one process per tensor and ``B``/``E`` pairs per activity. It becomes rank 0 with one lane
+  per activity (``NEGOTIATE_ALLREDUCE``, ``QUEUE``, ``NCCL_ALLREDUCE``, ...), each event
+  named after its tensor.
+
+Example:
+    >>> from ddl_magic.ui.timeline_viewer import load_trace, summarize, build_figure
+    >>> trace = load_trace("run.timeline.json")            # doctest: +SKIP
+    >>> summarize(trace)[["communicate_ms", "busy_fraction"]]  # doctest: +SKIP
+    >>> build_figure(trace).show()                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import operator
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.colors
+import plotly.graph_objects as go
+
+DEFAULT_MAX_SHAPES = 20_000
+"""Above this many events the figure draws merged busy intervals instead of every event."""
+
+# What each of our lanes spends the rank's time on. A tensor negotiates from its submission
+# until every rank has submitted it, so that is time waiting for the slowest rank. "user"
+# spans are whatever the user marked (often a whole step): left out of the three kinds.
+_OUR_LANE_CATEGORIES = {
+    "pack": "compute",
+    "unpack": "compute",
+    "compress": "compute",
+    "negotiate": "wait",
+    "scatter_reduce": "communicate",
+    "allgather": "communicate",
+    "broadcast": "communicate",
+    "wait": "wait",
+    "queue": "wait",
+}
+
+# Bus bandwidth follows NCCL's convention: each ring phase (scatter-reduce, allgather) puts
+# (n-1)/n of the buffer on every link, so a whole allreduce moves 2(n-1)/n of it, and a
+# broadcast moves the whole buffer.
+_RING_PHASES = ("scatter_reduce", "allgather")
+
+# Horovod's top-level operation spans every activity of its tensor, so it is not counted.
+_HOROVOD_OPERATIONS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER",
+                       "JOIN", "BARRIER"}
+_COLLECTIVE_WORDS = ("ALLREDUCE", "ALLGATHER", "BCAST", "BROADCAST", "REDUCESCATTER",
+                     "ALLTOALL")
+_HOROVOD_RANK_READY = "NEGOTIATE_RANK_READY"
+
+_CHROME_EVENT_FIELDS = operator.itemgetter("pid", "tid", "cat", "name", "ts", "dur", "args")
+
+_LANE_COLORS = plotly.colors.qualitative.Plotly + plotly.colors.qualitative.Dark24
+
+
+@dataclasses.dataclass
+class TraceData:
+    """A loaded timeline: one row of ``events`` per event.
+
+    ``events`` columns: ``rank`` (int), ``lane`` (categorical), ``name``, ``start_us`` and
+    ``duration_us`` (float microseconds), ``bytes`` and ``world_size`` (float, NaN where the
+    event does not say) and ``tensors`` (a tuple of the tensor names the event's args
+    give as ``tensors`` or ``tensor``; empty if none). ``rows`` lists the
+    (rank, lane) rows in display order, ``rank_names`` labels ranks ("rank 0 (node-a)"),
+    ``source`` is "ddl_magic" or "horovod", and ``truncated`` says the file was cut short
+    (a writer killed mid-write, a Horovod job that died) and was read up to its last
+    complete event. ``origin_us`` is the trace's time zero, its first event's start: the
+    figure's time axis counts milliseconds from it.
+    """
+
+    events: pd.DataFrame
+    rows: list[tuple[int, str]]
+    rank_names: dict[int, str]
+    source: str
+    truncated: bool = False
+    path: Path | None = None
+    origin_us: float = math.nan
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.origin_us):
+            self.origin_us = float(self.events["start_us"].min()) if len(self.events) else 0.0
+
+    def between(self, start_ms: float, end_ms: float) -> TraceData:
+        """The events overlapping ``[start_ms, end_ms]``, in the figure's milliseconds.
+
+        Use it to draw a zoomed-in part of a big trace in full detail.
+
+        Example:
+            >>> trace = load_trace("big.timeline.json")        # doctest: +SKIP
+            >>> build_figure(trace.between(1200, 1250))        # doctest: +SKIP
+        """
+        start = self.events["start_us"].to_numpy() - self.origin_us
+        end = start + self.events["duration_us"].to_numpy()
+        keep = (end >= start_ms * 1000.0) & (start <= end_ms * 1000.0)
+        # The window keeps the whole trace's origin, so its figure shows the same times.
+        return dataclasses.replace(self, events=self.events[keep].reset_index(drop=True))
+
+
+def load_trace(path: str | os.PathLike[str]) -> TraceData:
+    """Read a ddl_magic trace or a Horovod timeline file.
+
+    A file cut short (no closing ``]``, a trailing comma, half an event at the end) is read
+    up to its last complete event and marked ``truncated``.
+
+    Example:
+        >>> trace = load_trace("run.timeline.json")         # doctest: +SKIP
+        >>> trace.events.groupby("lane").duration_us.sum()  # doctest: +SKIP
+    """
+    path = Path(path)
+    with _garbage_collection_paused():
+        document, truncated = _parse_leniently(path.read_bytes())
+        if isinstance(document, dict):
+            trace = _from_chrome_events(document.get("traceEvents", []))
+        elif isinstance(document, list):
+            trace = _from_horovod_events(document)
+        else:
+            raise ValueError(f"{path} is not a Chrome trace: its JSON is a {type(document).__name__}")
+    trace.truncated = truncated
+    trace.path = path
+    return trace
+
+
+def lane_category(lane: str) -> str:
+    """Which kind of time a lane records: "compute", "communicate", "wait" or "other".
+
+    Example:
+        >>> lane_category("scatter_reduce"), lane_category("NCCL_ALLREDUCE")
+        ('communicate', 'communicate')
+        >>> lane_category("NEGOTIATE_ALLREDUCE"), lane_category("MEMCPY_IN_FUSION_BUFFER")
+        ('wait', 'compute')
+        >>> lane_category("ALLREDUCE")  # Horovod's span around a whole operation
+        'other'
+    """
+    if lane in _OUR_LANE_CATEGORIES:
+        return _OUR_LANE_CATEGORIES[lane]
+    upper = lane.upper()
+    if upper == "QUEUE" or upper.startswith(("WAIT_FOR", "NEGOTIATE")):
+        return "wait"
+    if upper.startswith("MEMCPY") or "FUSION_BUFFER" in upper or upper == "SCHEDULE":
+        return "compute"
+    if upper not in _HOROVOD_OPERATIONS and any(word in upper for word in _COLLECTIVE_WORDS):
+        return "communicate"
+    return "other"
+
+
+def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
+    """Per rank: where the time went, the achieved bus bandwidth and the slowest tensors.
+
+    Each category's time is the union of its lanes' events (concurrent events count once):
+    ``compute_ms`` (packing, unpacking, compressing, fusion-buffer copies),
+    ``communicate_ms`` (the ring's phases, broadcasts) and ``wait_ms`` (negotiating until
+    every rank is ready, queued tensors, callers blocked on a handle). ``busy_fraction`` is
+    the union of computing and communicating over ``wall_ms``, the rank's first event start
+    to last event end. ``bus_bytes`` is what the phases that carry ``bytes`` put on each
+    link (NCCL's convention: (n-1)/n of the buffer per scatter-reduce or allgather phase,
+    all of it per broadcast) and ``bus_gbps`` that over the time those phases took, in
+    GB/s. ``top_tensors`` names the ``top`` tensors whose events in those three kinds of
+    lanes took longest in total.
+
+    Example:
+        >>> summary = summarize(load_trace("run.timeline.json"))   # doctest: +SKIP
+        >>> summary.loc[0, ["communicate_ms", "wait_ms", "bus_gbps"]]  # doctest: +SKIP
+        communicate_ms    812.4
+        wait_ms           120.9
+        bus_gbps            9.7
+    """
+    columns = ["name", "events", "wall_ms", "compute_ms", "communicate_ms", "wait_ms",
+               "busy_fraction", "bus_bytes", "bus_gbps", "top_tensors"]
+    events = trace.events
+    if events.empty:
+        return pd.DataFrame(columns=columns).rename_axis("rank")
+    category = events["lane"].map(lane_category).astype(str).to_numpy()
+    start = events["start_us"].to_numpy()
+    end = start + events["duration_us"].to_numpy()
+    world_size = len(trace.rank_names) or 1
+    rows = []
+    for rank, at in events.groupby("rank", sort=True).indices.items():
+        in_category = {kind: at[category[at] == kind] for kind in ("compute", "communicate", "wait")}
+        busy = np.concatenate([in_category["compute"], in_category["communicate"]])
+        wall_us = end[at].max() - start[at].min()
+        bus_bytes, bus_us = _bus_traffic(events, at, world_size)
+        rows.append({
+            "rank": rank,
+            "name": trace.rank_names.get(rank, f"rank {rank}"),
+            "events": len(at),
+            "wall_ms": wall_us / 1000.0,
+            **{f"{kind}_ms": _union_length(start[i], end[i]) / 1000.0 for kind, i in in_category.items()},
+            "busy_fraction": _union_length(start[busy], end[busy]) / wall_us if wall_us > 0 else 0.0,
+            "bus_bytes": bus_bytes,
+            "bus_gbps": bus_bytes / bus_us / 1000.0 if bus_us > 0 else math.nan,
+            "top_tensors": _top_tensors(events, at[category[at] != "other"], top),
+        })
+    return pd.DataFrame(rows, columns=["rank", *columns]).set_index("rank")
+
+
+def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.Figure:
+    """A zoomable timeline: one row per (rank, lane), one bar per event.
+
+    Each row is one trace, so the figure stays light however many events it has. With more
+    than ``max_shapes`` events it draws, per row, the busy intervals merged at the
+    resolution the full trace is seen at (gaps too short to see are closed; a bar's
+    opacity shows how busy it was); ``trace.between(start_ms, end_ms)`` gives the events of
+    a window to draw in full detail.
+
+    Example:
+        >>> figure = build_figure(load_trace("run.timeline.json"))   # doctest: +SKIP
+        >>> figure.show()                                            # doctest: +SKIP
+    """
+    events, rows, origin_us = trace.events, trace.rows, trace.origin_us
+    first_us = float(events["start_us"].min()) if len(events) else origin_us
+    span_us = float((events["start_us"] + events["duration_us"]).max() - first_us) if len(events) else 0.0
+    detailed = len(events) <= max_shapes
+    # Gaps shorter than this are invisible at full zoom, so closing them loses nothing seen;
+    # it also bounds each row to max_shapes / len(rows) merged intervals.
+    resolution_us = span_us / max(max_shapes // max(len(rows), 1), 1)
+    lane_colors = _lane_colors(rows)
+    indices = events.groupby(["rank", "lane"], observed=True, sort=False).indices
+
+    figure = go.Figure()
+    lanes_in_legend: set[str] = set()
+    for y, (rank, lane) in enumerate(rows):
+        at = indices.get((rank, lane))
+        if at is None:
+            continue
+        row_label = f"{lane} on {trace.rank_names.get(rank, f'rank {rank}')}"
+        if detailed:
+            bars = _event_bars(events, at, y, origin_us, row_label)
+        else:
+            bars = _merged_bars(events, at, y, origin_us, resolution_us, row_label)
+        for bar in bars:
+            bar.update(marker_color=lane_colors[lane], name=lane, legendgroup=lane,
+                       showlegend=lane not in lanes_in_legend)
+            lanes_in_legend.add(lane)
+            figure.add_trace(bar)
+
+    shown = "every event" if detailed else (
+        f"busy intervals merged at {resolution_us / 1000.0:.3g} ms; "
+        "trace.between(start_ms, end_ms) gives a window in full detail"
+    )
+    figure.update_layout(
+        title=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
+              + (" (file was cut short)" if trace.truncated else ""),
+        barmode="overlay",
+        bargap=0.2,
+        hovermode="closest",
+        height=160 + 24 * len(rows),
+        legend_title_text="lane (click to hide)",
+        xaxis=dict(title="time since the first event (ms)", showgrid=True, zeroline=False),
+        yaxis=dict(
+            tickmode="array",
+            tickvals=list(range(len(rows))),
+            ticktext=[f"{trace.rank_names.get(rank, f'rank {rank}')} · {lane}" for rank, lane in rows],
+            autorange="reversed",
+            showgrid=False,
+            zeroline=False,
+        ),
+        shapes=_rank_separators(rows),
+    )
+    return figure
+
+
+def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.Figure:
+    """Display a run's timeline and its per-rank summary in the notebook; return the figure.
+
+    Takes a trace file's path, or anything with a ``timeline_path`` attribute (the record
+    a ``%%horovod`` run returns). Outside IPython it prints the summary only.
+
+    Example:
+        >>> figure = show_timeline("run.timeline.json")      # doctest: +SKIP
+        >>> figure = show_timeline(last_run)                 # doctest: +SKIP
+    """
+    path = getattr(path_or_run, "timeline_path", path_or_run)
+    if path is None:
+        raise ValueError(
+            "this run has no timeline file: it was started without a timeline; "
+            "start it with the timeline turned on to record one"
+        )
+    trace = load_trace(path)
+    figure = build_figure(trace, max_shapes=max_shapes)
+    summary = summarize(trace)
+    from IPython import get_ipython
+    from IPython.display import display
+
+    if get_ipython() is not None:
+        display(figure)
+        display(summary)
+    else:
+        print(summary.to_string())
+    return figure
+
+
+@contextlib.contextmanager
+def _garbage_collection_paused() -> Iterator[None]:
+    """Parsing a trace creates millions of dicts and lists, none of them in a cycle; left
+    on, the cycle collector rescans them again and again and makes loading 3-4x slower."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _parse_leniently(raw: bytes) -> tuple[Any, bool]:
+    """Parse the JSON, or the longest prefix of its event array that parses.
+
+    Returns the document and whether it had to be cut. A cut object trace keeps only its
+    ``traceEvents``.
+    """
+    if not raw.strip():
+        return [], True  # Horovod creates its file before it writes the first "["
+    # A file that does not end like JSON (Horovod's, without its "]") would only fail at
+    # its very end, so skip the doomed full parse of what can be hundreds of megabytes.
+    if raw.rstrip().endswith((b"]", b"}")):
+        try:
+            return json.loads(raw), False
+        except json.JSONDecodeError:
+            pass
+    text = raw.decode("utf-8", errors="replace")
+    is_array = text.lstrip().startswith("[")
+    if is_array:
+        array_start = text.index("[")
+    elif '"traceEvents"' in text:
+        array_start = text.index("[", text.index('"traceEvents"'))
+    else:
+        raise ValueError("the file is neither a JSON array of events nor a Chrome trace object")
+    body = text[array_start + 1:]
+    # Cut after the last "}" that closes a whole event; a half-written event can hold a
+    # "}" of its own (its args), so step back a few times before giving up.
+    cut = len(body)
+    for _ in range(64):
+        cut = body.rfind("}", 0, cut)
+        if cut < 0:
+            events: list[Any] = []
+            break
+        try:
+            events = json.loads("[" + body[: cut + 1] + "]")
+            break
+        except json.JSONDecodeError:
+            continue
+    else:
+        raise ValueError("could not find where the trace's last complete event ends")
+    return (events if is_array else {"traceEvents": events}), True
+
+
+def _from_chrome_events(raw_events: list[dict[str, Any]]) -> TraceData:
+    """Our format: complete events with pid = rank and the lane in ``cat``."""
+    metadata = [e for e in raw_events if e.get("ph") == "M"]
+    rank_names = {e.get("pid", 0): e.get("args", {}).get("name", "") for e in metadata
+                  if e.get("name") == "process_name"}
+    thread_names = {(e.get("pid", 0), e.get("tid", 0)): e.get("args", {}).get("name", "")
+                    for e in metadata if e.get("name") == "thread_name"}
+    complete = [e for e in raw_events if e.get("ph") == "X"]
+    # A million events make this the hot loop of loading: fetch each event's fields as one
+    # tuple and zip(*) them into columns, several times faster than appending per field.
+    try:
+        # Our writer gives every event all seven keys, so itemgetter can fetch them in C.
+        fields = list(map(_CHROME_EVENT_FIELDS, complete))
+    except KeyError:
+        # Other tools' Chrome traces leave keys out (no cat, no args).
+        fields = [(e.get("pid", 0), e.get("tid", 0), e.get("cat"), e.get("name", ""),
+                   e.get("ts", 0.0), e.get("dur", 0.0), e.get("args")) for e in complete]
+    ranks, tids, lanes, names, starts, durations, args = zip(*fields) if fields else ((),) * 7
+    if None in lanes or "" in lanes:
+        lanes = [lane or thread_names.get((rank, tid)) or f"thread {tid}"
+                 for lane, rank, tid in zip(lanes, ranks, tids)]
+    events = _events_frame(ranks, lanes, names, starts, durations, args)
+    for rank in events["rank"].unique():
+        rank_names.setdefault(int(rank), f"rank {rank}")
+    # The writer numbers a lane's tid by its fixed order, so sorting by tid keeps rows stable.
+    first_event_of_row = {
+        row: at[0] for row, at in events.groupby(["rank", "lane"], observed=True, sort=False).indices.items()
+    }
+    rows = sorted(first_event_of_row, key=lambda row: (
+        row[0], _sortable_number(tids[first_event_of_row[row]]), row[1]))
+    return TraceData(events, rows, dict(sorted(rank_names.items())), "ddl_magic")
+
+
+def _from_horovod_events(raw_events: list[dict[str, Any]]) -> TraceData:
+    """Horovod's format: pid = tensor, B/E pairs per activity, X ticks, global instants."""
+    tensor_of_pid: dict[int, str] = {}
+    open_spans: dict[int, list[tuple[str, float]]] = {}
+    ranks, lanes, names, starts, durations, args = [], [], [], [], [], []
+
+    def add(lane: str, name: str, start: float, duration: float, event_args: dict | None) -> None:
+        ranks.append(0)
+        lanes.append(lane)
+        names.append(name)
+        starts.append(start)
+        durations.append(duration)
+        args.append(event_args)
+
+    last_ts = 0.0
+    for event in raw_events:
+        phase, pid = event.get("ph"), event.get("pid", 0)
+        ts = float(event.get("ts", last_ts))
+        last_ts = max(last_ts, ts)
+        tensor = tensor_of_pid.get(pid, "")
+        if phase == "M":
+            if event.get("name") == "process_name" and "name" in event.get("args", {}):
+                tensor_of_pid[pid] = event["args"]["name"]
+        elif phase == "B":
+            open_spans.setdefault(pid, []).append((event.get("name", ""), ts))
+        elif phase == "E" and open_spans.get(pid):
+            activity, start = open_spans[pid].pop()
+            add(activity, tensor, start, ts - start, {"tensor": tensor})
+        elif phase == "X":
+            activity = event.get("name", "")
+            if activity.isdigit():
+                # Horovod's negotiation tick: the name is the rank that reported ready.
+                add(_HOROVOD_RANK_READY, f"{tensor}: rank {activity} ready", ts, 0.0, {"tensor": tensor})
+            else:
+                add(activity, tensor, ts, float(event.get("dur", 0.0)), {"tensor": tensor})
+        elif phase in ("i", "I", "R"):
+            add(event.get("name", ""), event.get("name", ""), ts, 0.0, None)
+    # A span still open when the file ends is what the job was stuck in: show it to the end.
+    for pid, spans in open_spans.items():
+        for activity, start in spans:
+            tensor = tensor_of_pid.get(pid, "")
+            add(activity, f"{tensor} (unfinished)", start, last_ts - start, {"tensor": tensor})
+    events = _events_frame(ranks, lanes, names, starts, durations, args)
+    rows = [(0, lane) for lane in dict.fromkeys(lanes)]
+    return TraceData(events, rows, {0: "rank 0"} if lanes else {}, "horovod")
+
+
+def _events_frame(
+    ranks: Sequence[int],
+    lanes: Sequence[str],
+    names: Sequence[str],
+    starts: Sequence[float],
+    durations: Sequence[float],
+    args: Sequence[dict[str, Any] | None],
+) -> pd.DataFrame:
+    """The columnar event table, in the order the events were given.
+
+    Only what the viewer uses is kept from ``args``. Keeping the dicts themselves (a million
+    of them, holding lists) would make every later full garbage collection in the notebook
+    walk them all, about a second each time.
+    """
+    return pd.DataFrame({
+        "rank": np.asarray(ranks, dtype=np.int64),
+        "lane": pd.Categorical(lanes),
+        "name": pd.Series(names, dtype=object),
+        "start_us": _numbers(starts),
+        "duration_us": np.maximum(_numbers(durations), 0.0),
+        "bytes": _numbers([a.get("bytes") if a else None for a in args]),
+        "world_size": _numbers([a.get("size") if a else None for a in args]),
+        "tensors": pd.Series(list(map(_tensor_names, args)), dtype=object),
+    })
+
+
+def _sortable_number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.inf
+
+
+def _numbers(values: Sequence[Any]) -> np.ndarray:
+    """Floats from JSON values; None and anything not a number become NaN."""
+    try:
+        return np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        return pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").to_numpy(np.float64)
+
+
+def _merge_intervals(
+    start: np.ndarray, end: np.ndarray, gap: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge intervals whose gap is at most ``gap``.
+
+    Returns the merged starts and ends, and for each merged interval the position, in
+    start-sorted order, of its first input interval (what ``np.add.reduceat`` needs).
+    """
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], end[order]
+    reach = np.maximum.accumulate(end)
+    first = np.flatnonzero(np.concatenate(([True], start[1:] > reach[:-1] + gap)))
+    last = np.concatenate((first[1:] - 1, [len(start) - 1]))
+    return start[first], reach[last], first
+
+
+def _union_length(start: np.ndarray, end: np.ndarray) -> float:
+    """Total time covered by at least one interval."""
+    if len(start) == 0:
+        return 0.0
+    merged_start, merged_end, _ = _merge_intervals(start, end, 0.0)
+    return float((merged_end - merged_start).sum())
+
+
+def _bus_traffic(events: pd.DataFrame, at: np.ndarray, default_world_size: int) -> tuple[float, float]:
+    """Bytes on the bus and the time they took (µs) for one rank's byte-carrying phases."""
+    lane = events["lane"].iloc[at]
+    nbytes = events["bytes"].to_numpy()[at]
+    world = events["world_size"].to_numpy()[at]
+    world = np.where(np.isnan(world), default_world_size, world)
+    factors = np.where(lane.isin(_RING_PHASES).to_numpy(), (world - 1) / world,
+                       np.where((lane == "broadcast").to_numpy(), 1.0, math.nan))
+    carrying = ~np.isnan(nbytes) & ~np.isnan(factors)
+    if not carrying.any():
+        return 0.0, 0.0
+    start = events["start_us"].to_numpy()[at][carrying]
+    end = start + events["duration_us"].to_numpy()[at][carrying]
+    return float((nbytes[carrying] * factors[carrying]).sum()), _union_length(start, end)
+
+
+def _tensor_names(args: dict[str, Any] | None) -> tuple[str, ...]:
+    """The tensor names an event's args give (a ``tensors`` list or one ``tensor``)."""
+    if not args:
+        return ()
+    if isinstance(args.get("tensors"), list):
+        return tuple(args["tensors"])
+    return (args["tensor"],) if args.get("tensor") else ()
+
+
+def _top_tensors(events: pd.DataFrame, at: np.ndarray, top: int) -> str:
+    """"name 12.3 ms, ..." for the tensors whose operations took longest on one rank."""
+    totals: dict[str, float] = {}
+    durations = events["duration_us"].to_numpy()
+    for position, tensors in zip(at, events["tensors"].to_numpy()[at]):
+        for tensor in tensors:
+            totals[tensor] = totals.get(tensor, 0.0) + durations[position]
+    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    return ", ".join(f"{tensor} {total_us / 1000.0:.3g} ms" for tensor, total_us in ranked)
+
+
+def _lane_colors(rows: list[tuple[int, str]]) -> dict[str, str]:
+    """One color per lane, the same on every rank."""
+    lanes = dict.fromkeys(lane for _, lane in rows)
+    return {lane: _LANE_COLORS[i % len(_LANE_COLORS)] for i, lane in enumerate(lanes)}
+
+
+def _event_bars(
+    events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, row_label: str
+) -> list[go.BaseTraceType]:
+    """One row's events, each a bar from its start to its end, plus ticks for instants."""
+    start_ms = (events["start_us"].to_numpy()[at] - origin_us) / 1000.0
+    duration_ms = events["duration_us"].to_numpy()[at] / 1000.0
+    names = events["name"].to_numpy()[at]
+    tensors = events["tensors"].to_numpy()[at]
+    nbytes = events["bytes"].to_numpy()[at]
+    details = np.array(
+        [[name, _describe_tensors(t), _describe_bytes(b), round(s, 3)]
+         for name, t, b, s in zip(names, tensors, nbytes, start_ms)],
+        dtype=object,
+    ).reshape(len(at), 4)
+    hover = (f"<b>%{{customdata[0]}}</b><br>{row_label}<br>start %{{customdata[3]}} ms, "
+             "took %{x:.3f} ms<br>tensors: %{customdata[1]}<br>bytes: %{customdata[2]}"
+             "<extra></extra>")
+    bars: list[go.BaseTraceType] = []
+    has_length = duration_ms > 0
+    if has_length.any():
+        bars.append(go.Bar(
+            orientation="h", base=start_ms[has_length], x=duration_ms[has_length],
+            y=np.full(int(has_length.sum()), y), width=0.8, marker_line_width=0,
+            customdata=details[has_length], hovertemplate=hover,
+        ))
+    if (~has_length).any():
+        instants = ~has_length
+        bars.append(go.Scatter(
+            mode="markers", x=start_ms[instants], y=np.full(int(instants.sum()), y),
+            marker=dict(symbol="line-ns-open", size=14, line_width=2),
+            customdata=details[instants], hovertemplate=hover.replace("took %{x:.3f} ms", "instant"),
+        ))
+    return bars
+
+
+def _merged_bars(
+    events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, resolution_us: float, row_label: str
+) -> list[go.BaseTraceType]:
+    """One row's busy intervals with gaps under ``resolution_us`` closed, as bars."""
+    start = events["start_us"].to_numpy()[at] - origin_us
+    end = start + events["duration_us"].to_numpy()[at]
+    # Exact busy time first (union of the events), then close the gaps nobody could see.
+    union_start, union_end, union_first = _merge_intervals(start, end, 0.0)
+    union_counts = np.diff(np.concatenate((union_first, [len(start)])))
+    group_start, group_end, group_first = _merge_intervals(union_start, union_end, resolution_us)
+    busy_us = np.add.reduceat(union_end - union_start, group_first)
+    counts = np.add.reduceat(union_counts, group_first)
+    # A bar narrower than the resolution would vanish at full zoom; draw it one unit wide.
+    width_us = np.maximum(group_end - group_start, resolution_us)
+    busy_fraction = np.clip(busy_us / np.maximum(group_end - group_start, 1e-9), 0.0, 1.0)
+    busy_fraction[group_end == group_start] = 1.0
+    details = np.column_stack([counts, np.round(busy_us / 1000.0, 3), np.round(group_start / 1000.0, 3)])
+    return [go.Bar(
+        orientation="h", base=group_start / 1000.0, x=width_us / 1000.0, y=np.full(len(group_start), y),
+        width=0.8, marker_line_width=0, marker_opacity=0.25 + 0.75 * busy_fraction,
+        customdata=details,
+        hovertemplate=(f"<b>%{{customdata[0]:,}} events</b><br>{row_label}<br>"
+                       "from %{customdata[2]} ms over %{x:.3f} ms, busy %{customdata[1]} ms"
+                       "<extra></extra>"),
+    )]
+
+
+def _describe_tensors(tensors: tuple[str, ...], shown: int = 4) -> str:
+    text = ", ".join(map(str, tensors[:shown]))
+    return text + (f", … ({len(tensors) - shown} more)" if len(tensors) > shown else "") or "-"
+
+
+def _describe_bytes(nbytes: float) -> str:
+    if math.isnan(nbytes):
+        return "-"
+    if nbytes < 1024:
+        return f"{nbytes:,.0f} B"
+    exponent = min(int(math.log(nbytes, 1024)), 3)
+    return f"{nbytes / 1024 ** exponent:,.1f} {('B', 'KiB', 'MiB', 'GiB')[exponent]}"
+
+
+def _rank_separators(rows: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """A thin line between one rank's rows and the next rank's."""
+    return [
+        dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=y - 0.5, y1=y - 0.5,
+             line=dict(color="rgba(0,0,0,0.35)", width=1))
+        for y in range(1, len(rows)) if rows[y][0] != rows[y - 1][0]
+    ]

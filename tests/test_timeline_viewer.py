@@ -1,0 +1,409 @@
+"""The viewer reads our traces and Horovod's, summarises them correctly and draws them lightly."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from ddl_magic.runtime.timeline import TimelineRecorder
+from ddl_magic.trace_writer import TraceWriter
+from ddl_magic.ui.timeline_viewer import (
+    TraceData,
+    build_figure,
+    lane_category,
+    load_trace,
+    show_timeline,
+    summarize,
+)
+
+MB = 1_000_000
+
+
+def write_trace(path: Path, batches: dict[int, list[tuple]], hosts: dict[int, str] | None = None) -> Path:
+    with TraceWriter(path) as trace:
+        for rank in sorted(batches):
+            trace.add_rank(rank, (hosts or {}).get(rank, "node-a"))
+        for rank, events in batches.items():
+            trace.write(rank, events)
+    return path
+
+
+def hand_made_trace(path: Path) -> Path:
+    """Two ranks, times in µs; the expected summary is worked out in the tests below."""
+    big = 6 * MB
+    return write_trace(path, {
+        0: [
+            ("pack", "op", 0.0, 10.0, {"tensors": ["a"]}),
+            ("pack", "op", 5.0, 10.0, {"tensors": ["a"]}),  # overlaps the first: 0-15 is busy
+            ("scatter_reduce", "op", 10.0, 30.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
+            ("allgather", "op", 40.0, 30.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
+            ("unpack", "op", 70.0, 10.0, None),
+            ("wait", "handle 1", 80.0, 20.0, None),
+            ("user", "step 0", 0.0, 100.0, None),
+        ],
+        1: [
+            ("scatter_reduce", "op", 1000.0, 50.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
+            ("wait", "handle 1", 1050.0, 150.0, None),
+        ],
+    }, hosts={0: "node-a", 1: "node-b"})
+
+
+# Horovod's timeline writer, re-enacted: one process per tensor, B/E pairs per activity, a
+# tick (X, dur 0, named after the rank) per rank ready in negotiation, global CYCLE_START
+# instants. ``style="old"`` is horovod < 0.21 (every line ends in ",", no closing "]"),
+# ``style="new"`` rewrites a closing "]" after every event.
+HOROVOD_RECORDS: list[tuple[Any, ...]] = [
+    ("marker", "CYCLE_START", 0),
+    ("event", "fc1.weight", "B", "NEGOTIATE_ALLREDUCE", "", 100),
+    ("event", "fc1.weight", "X", "0", "", 105),
+    ("event", "fc1.bias", "B", "NEGOTIATE_ALLREDUCE", "", 110),
+    ("event", "fc1.weight", "X", "1", "", 140),
+    ("event", "fc1.weight", "E", "", "", 150),
+    ("event", "fc1.weight", "B", "ALLREDUCE", "", 150),
+    ("event", "fc1.weight", "B", "QUEUE", "", 150),
+    ("event", "fc1.weight", "E", "", "", 170),
+    ("event", "fc1.weight", "B", "MEMCPY_IN_FUSION_BUFFER", "", 170),
+    ("event", "fc1.weight", "E", "", "", 180),
+    ("event", "fc1.weight", "B", "NCCL_ALLREDUCE", "", 180),
+    ("event", "fc1.weight", "E", "", "", 250),
+    ("event", "fc1.weight", "B", "MEMCPY_OUT_FUSION_BUFFER", "", 250),
+    ("event", "fc1.weight", "E", "", "", 260),
+    ("event", "fc1.weight", "E", "", '"dtype": "float32", "shape": "[128,64]"', 260),
+    ("marker", "CYCLE_START", 300),
+    ("event", "fc1.bias", "E", "", "", 310),
+    ("event", "fc1.bias", "B", "ALLREDUCE", "", 310),
+    ("event", "fc1.bias", "B", "NCCL_ALLREDUCE", "", 320),
+    ("event", "fc1.bias", "E", "", "", 340),
+    ("event", "fc1.bias", "E", "", '"dtype": "float32", "shape": "[128]"', 345),
+]
+
+
+def horovod_timeline(records: list[tuple[Any, ...]], style: str) -> str:
+    text = "[\n"
+    if style == "new":
+        text += ('{"name": "process_name", "ph": "M", "pid": 0, '
+                 '"args": {"start_time_since_epoch_in_micros":1700000000000000}},\n'
+                 '{"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},\n')
+    tensor_pids: dict[str, int] = {}
+    first = True
+    for record in records:
+        if style == "new" and not first:
+            text = text[:-1] + ","
+        first = False
+        if record[0] == "marker":
+            line = f'{{"ph": "i", "name": "{record[1]}", "ts": {record[2]}, "s": "g"}}'
+        else:
+            _, tensor, phase, op, args, ts = record
+            if tensor not in tensor_pids:
+                pid = tensor_pids[tensor] = len(tensor_pids) + 1
+                text += (f'{{"name": "process_name", "ph": "M", "pid": {pid}, '
+                         f'"args": {{"name": "{tensor}"}}}},\n'
+                         f'{{"name": "process_sort_index", "ph": "M", "pid": {pid}, '
+                         f'"args": {{"sort_index": {pid}}}}},\n')
+            line = f'{{"ph": "{phase}"'
+            if phase != "E":
+                line += f', "name": "{op}"'
+            line += f', "ts": {ts}, "pid": {tensor_pids[tensor]}'
+            if phase == "X":
+                line += ', "dur": 0'
+            if args:
+                line += f', "args": {{{args}}}'
+            line += "}"
+        text += line + ("]" if style == "new" else ",\n")
+    return text
+
+
+@pytest.fixture
+def horovod_new(tmp_path: Path) -> Path:
+    path = tmp_path / "horovod_new.json"
+    path.write_text(horovod_timeline(HOROVOD_RECORDS, "new"))
+    return path
+
+
+def horovod_events(trace: TraceData) -> set[tuple[str, str, float, float]]:
+    frame = trace.events
+    return set(zip(frame["lane"].astype(str), frame["name"], frame["start_us"], frame["duration_us"]))
+
+
+# Loading our format.
+
+def test_loads_every_event_of_our_trace_with_ranks_lanes_and_sizes(tmp_path: Path) -> None:
+    trace = load_trace(hand_made_trace(tmp_path / "t.json"))
+    assert trace.source == "ddl_magic" and not trace.truncated
+    assert len(trace.events) == 9
+    assert trace.rank_names == {0: "rank 0 (node-a)", 1: "rank 1 (node-b)"}
+    scatter = trace.events[(trace.events["rank"] == 1) & (trace.events["lane"] == "scatter_reduce")].iloc[0]
+    assert (scatter["start_us"], scatter["duration_us"], scatter["bytes"], scatter["world_size"]) == (
+        1000.0, 50.0, 6 * MB, 2)
+    assert scatter["tensors"] == ("a", "b")
+    assert trace.events.loc[trace.events["lane"] == "unpack", "tensors"].iloc[0] == ()
+
+
+def test_tensors_given_only_as_a_count_are_no_names(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.json", {0: [
+        ("scatter_reduce", "3 tensors", 0.0, 5.0, {"bytes": 64, "tensors": 3, "size": 2}),
+        ("broadcast", "fc1.weight", 5.0, 5.0, {"bytes": 64, "tensor": "fc1.weight"}),
+    ]})
+    trace = load_trace(path)
+    assert list(trace.events["tensors"]) == [(), ("fc1.weight",)]
+    assert summarize(trace).loc[0, "top_tensors"] == "fc1.weight 0.005 ms"
+
+
+def test_rows_follow_the_fixed_lane_order_per_rank(tmp_path: Path) -> None:
+    trace = load_trace(hand_made_trace(tmp_path / "t.json"))
+    assert trace.rows == [
+        (0, "user"), (0, "wait"), (0, "pack"), (0, "scatter_reduce"), (0, "allgather"), (0, "unpack"),
+        (1, "wait"), (1, "scatter_reduce"),
+    ]
+
+
+def test_a_trace_cut_mid_event_loads_up_to_its_last_complete_event(tmp_path: Path) -> None:
+    whole = hand_made_trace(tmp_path / "t.json").read_text()
+    cut_at = whole.rindex('"tensors"')  # inside rank 1's scatter_reduce, its batch's first event
+    (tmp_path / "cut.json").write_text(whole[:cut_at])
+    trace = load_trace(tmp_path / "cut.json")
+    assert trace.truncated
+    assert len(trace.events) == 7
+    assert set(trace.events["rank"]) == {0}
+    assert trace.rank_names[1] == "rank 1 (node-b)"
+
+
+def test_events_recorded_on_ranks_come_back_on_the_driver_clock(tmp_path: Path) -> None:
+    batches = {}
+    for rank, offset_ns in ((0, 1_000_000), (1, -500_000)):  # each rank's clock is off differently
+        rec = TimelineRecorder()
+        rec.enabled, rec.clock_offset_ns = True, offset_ns
+        rec.record("pack", "fc1", 2_000_000 - offset_ns, 2_010_000 - offset_ns, {"tensors": ["fc1"]})
+        batches[rank] = rec.drain()
+    path = write_trace(tmp_path / "t.json", batches)
+    events = load_trace(path).events
+    assert list(events["start_us"]) == [2000.0, 2000.0]
+    assert list(events["duration_us"]) == [10.0, 10.0]
+
+
+# Loading Horovod's format.
+
+def test_horovod_activities_become_lanes_of_rank_0_with_events_named_by_tensor(horovod_new: Path) -> None:
+    trace = load_trace(horovod_new)
+    assert trace.source == "horovod" and not trace.truncated
+    assert set(trace.events["rank"]) == {0}
+    events = horovod_events(trace)
+    assert {
+        ("NEGOTIATE_ALLREDUCE", "fc1.weight", 100.0, 50.0),
+        ("ALLREDUCE", "fc1.weight", 150.0, 110.0),
+        ("QUEUE", "fc1.weight", 150.0, 20.0),
+        ("MEMCPY_IN_FUSION_BUFFER", "fc1.weight", 170.0, 10.0),
+        ("NCCL_ALLREDUCE", "fc1.weight", 180.0, 70.0),
+        ("MEMCPY_OUT_FUSION_BUFFER", "fc1.weight", 250.0, 10.0),
+        ("NEGOTIATE_ALLREDUCE", "fc1.bias", 110.0, 200.0),
+        ("NCCL_ALLREDUCE", "fc1.bias", 320.0, 20.0),
+        ("ALLREDUCE", "fc1.bias", 310.0, 35.0),
+        ("NEGOTIATE_RANK_READY", "fc1.weight: rank 0 ready", 105.0, 0.0),
+        ("NEGOTIATE_RANK_READY", "fc1.weight: rank 1 ready", 140.0, 0.0),
+        ("CYCLE_START", "CYCLE_START", 0.0, 0.0),
+        ("CYCLE_START", "CYCLE_START", 300.0, 0.0),
+    } == events
+    tensors = trace.events.set_index("name")["tensors"]
+    assert tensors["fc1.bias"].unique().tolist() == [("fc1.bias",)]
+    assert tensors["fc1.weight: rank 0 ready"] == ("fc1.weight",)
+    assert tensors["CYCLE_START"].unique().tolist() == [()]
+
+
+def test_horovod_files_without_closing_bracket_or_cut_short_load_too(
+    tmp_path: Path, horovod_new: Path
+) -> None:
+    complete = horovod_events(load_trace(horovod_new))
+
+    old_style = tmp_path / "old.json"
+    old_style.write_text(horovod_timeline(HOROVOD_RECORDS, "old"))  # trailing ",\n", no "]"
+    old = load_trace(old_style)
+    assert old.truncated and horovod_events(old) == complete
+
+    no_bracket = tmp_path / "no_bracket.json"
+    no_bracket.write_text(horovod_new.read_text().rstrip("]"))
+    assert horovod_events(load_trace(no_bracket)) == complete
+
+    mid_event = tmp_path / "mid_event.json"
+    text = horovod_timeline(HOROVOD_RECORDS, "old")
+    mid_event.write_text(text[: text.rindex('"args"') + 12])  # inside the last E's args
+    assert len(load_trace(mid_event).events) == len(complete)
+
+
+def test_a_horovod_span_left_open_runs_to_the_end_of_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "hung.json"
+    path.write_text(horovod_timeline(HOROVOD_RECORDS[:5], "old"))  # fc1.bias never finished negotiating
+    trace = load_trace(path)
+    stuck = trace.events[trace.events["tensors"] == ("fc1.bias",)].iloc[0]
+    assert (stuck["lane"], stuck["name"], stuck["start_us"], stuck["duration_us"]) == (
+        "NEGOTIATE_ALLREDUCE", "fc1.bias (unfinished)", 110.0, 30.0)
+
+
+@pytest.mark.parametrize("text", ["", "[", "[\n"])
+def test_an_empty_file_or_a_lone_bracket_is_an_empty_trace(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.json"
+    path.write_text(text)
+    trace = load_trace(path)
+    assert trace.events.empty and trace.truncated
+    assert isinstance(build_figure(trace), go.Figure)
+    assert summarize(trace).empty
+
+
+def test_a_file_that_is_no_trace_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "notes.json"
+    path.write_text("hello")
+    with pytest.raises(ValueError, match="neither a JSON array of events nor a Chrome trace"):
+        load_trace(path)
+
+
+# Summary.
+
+def test_summary_of_a_hand_made_trace(tmp_path: Path) -> None:
+    summary = summarize(load_trace(hand_made_trace(tmp_path / "t.json")))
+    rank0, rank1 = summary.loc[0], summary.loc[1]
+
+    assert rank0["name"] == "rank 0 (node-a)"
+    assert rank0["events"] == 7
+    assert rank0["wall_ms"] == pytest.approx(0.100)
+    assert rank0["compute_ms"] == pytest.approx(0.025)      # packs 0-15 (overlap once) + unpack 10
+    assert rank0["communicate_ms"] == pytest.approx(0.060)  # scatter-reduce 30 + allgather 30
+    assert rank0["wait_ms"] == pytest.approx(0.020)
+    assert rank0["busy_fraction"] == pytest.approx(0.80)    # 0-80 busy of 0-100
+    # Each phase puts (n-1)/n = 1/2 of 6 MB on the bus: 6 MB in 60 µs is 100 GB/s.
+    assert rank0["bus_bytes"] == 6 * MB
+    assert rank0["bus_gbps"] == pytest.approx(100.0)
+    assert rank0["top_tensors"] == "a 0.08 ms, b 0.06 ms"
+
+    assert rank1["wall_ms"] == pytest.approx(0.200)
+    assert rank1["compute_ms"] == 0
+    assert rank1["busy_fraction"] == pytest.approx(0.25)
+    assert rank1["bus_gbps"] == pytest.approx(3 * MB / 50 / 1000)
+
+
+def test_summary_of_a_horovod_trace_sorts_its_activities(horovod_new: Path) -> None:
+    rank0 = summarize(load_trace(horovod_new)).loc[0]
+    assert rank0["wait_ms"] == pytest.approx(0.210)                # negotiations 100-310, QUEUE inside
+    assert rank0["compute_ms"] == pytest.approx(0.020)             # the two fusion-buffer copies
+    assert rank0["communicate_ms"] == pytest.approx(0.090)         # the two NCCL_ALLREDUCEs
+    # Horovod's ALLREDUCE spans the activities inside it, so it is not counted again.
+    assert rank0["top_tensors"] == "fc1.bias 0.22 ms, fc1.weight 0.16 ms"
+    assert math.isnan(rank0["bus_gbps"])                           # Horovod records no sizes
+
+
+@pytest.mark.parametrize("lane, category", [
+    ("negotiate", "wait"), ("scatter_reduce", "communicate"), ("broadcast", "communicate"),
+    ("pack", "compute"), ("compress", "compute"), ("queue", "wait"), ("wait", "wait"), ("user", "other"),
+    ("NEGOTIATE_BROADCAST", "wait"), ("MPI_ALLGATHER", "communicate"), ("NCCL_BCAST", "communicate"),
+    ("WAIT_FOR_DATA", "wait"), ("MEMCPY_OUT_FUSION_BUFFER", "compute"), ("BROADCAST", "other"),
+])
+def test_lane_categories(lane: str, category: str) -> None:
+    assert lane_category(lane) == category
+
+
+# The figure.
+
+def test_figure_draws_one_bar_per_event_in_its_row_with_hover_details(tmp_path: Path) -> None:
+    trace = load_trace(hand_made_trace(tmp_path / "t.json"))
+    figure = build_figure(trace)
+    ticktext = list(figure.layout.yaxis.ticktext)
+    assert ticktext[3] == "rank 0 (node-a) · scatter_reduce"
+    bars = [bar for bar in figure.data if isinstance(bar, go.Bar)]
+    assert sum(len(bar.x) for bar in bars) == len(trace.events)
+    scatter = next(bar for bar in bars if bar.name == "scatter_reduce" and set(bar.y) == {3})
+    assert list(scatter.base) == [pytest.approx(0.010)] and list(scatter.x) == [pytest.approx(0.030)]
+    assert list(scatter.customdata[0][:3]) == ["op", "a, b", "5.7 MiB"]
+    assert "%{customdata[1]}" in scatter.hovertemplate and "%{x:.3f} ms" in scatter.hovertemplate
+    assert len([bar for bar in bars if bar.name == "scatter_reduce" and bar.showlegend]) == 1
+
+
+def test_figure_from_a_horovod_trace_marks_instants(horovod_new: Path) -> None:
+    figure = build_figure(load_trace(horovod_new))
+    ticks = [trace for trace in figure.data if isinstance(trace, go.Scatter)]
+    assert sorted(len(trace.x) for trace in ticks) == [2, 2]  # rank-ready ticks, cycle starts
+    assert "NEGOTIATE_ALLREDUCE" in " ".join(figure.layout.yaxis.ticktext)
+
+
+def synthetic_trace(path: Path, event_count: int, ranks: int = 4) -> Path:
+    rng = np.random.default_rng(7)
+    lanes = ("negotiate", "pack", "scatter_reduce", "allgather", "unpack")
+    per_rank = event_count // ranks
+    batches = {}
+    for rank in range(ranks):
+        durations = rng.gamma(2.0, 30.0, per_rank)
+        starts = np.cumsum(durations + rng.exponential(10.0, per_rank)) - durations
+        batches[rank] = [
+            (lanes[i % len(lanes)], f"op {i // len(lanes)}", float(start), float(duration),
+             {"bytes": 1 << 20, "tensors": ["w"], "size": ranks})
+            for i, (start, duration) in enumerate(zip(starts, durations))
+        ]
+    return write_trace(path, batches)
+
+
+def test_a_200k_event_trace_is_drawn_as_a_bounded_figure(tmp_path: Path) -> None:
+    trace = load_trace(synthetic_trace(tmp_path / "big.json", 200_000))
+    assert len(trace.events) == 200_000
+    figure = build_figure(trace, max_shapes=20_000)
+    drawn = sum(len(bar.x) for bar in figure.data)
+    assert 0 < drawn <= 20_000
+    assert len(figure.data) == len(trace.rows)
+    assert len(figure.to_json()) < 3 * MB
+    assert "merged" in figure.layout.title.text
+
+
+def test_merged_bars_cover_every_event(tmp_path: Path) -> None:
+    trace = load_trace(synthetic_trace(tmp_path / "mid.json", 5_000, ranks=1))
+    figure = build_figure(trace, max_shapes=500)
+    for bar in figure.data:
+        row = trace.rows[int(bar.y[0])]
+        at = (trace.events["rank"] == row[0]) & (trace.events["lane"] == row[1])
+        origin = trace.events["start_us"].min()
+        starts = (trace.events.loc[at, "start_us"].to_numpy() - origin) / 1000
+        ends = starts + trace.events.loc[at, "duration_us"].to_numpy() / 1000
+        bar_start, bar_end = np.asarray(bar.base), np.asarray(bar.base) + np.asarray(bar.x)
+        inside = (starts[:, None] >= bar_start - 1e-9) & (ends[:, None] <= bar_end + 1e-9)
+        assert inside.any(axis=1).all()
+        assert sum(bar.customdata[:, 0]) == at.sum()
+
+
+def test_a_window_of_a_big_trace_is_drawn_in_detail(tmp_path: Path) -> None:
+    trace = load_trace(synthetic_trace(tmp_path / "big.json", 40_000))
+    window = trace.between(10.0, 12.0)
+    assert 0 < len(window.events) < 1_000
+    figure = build_figure(window, max_shapes=20_000)
+    assert sum(len(bar.x) for bar in figure.data) == len(window.events)
+    assert "every event" in figure.layout.title.text
+    for bar in figure.data:  # on the whole trace's time axis, overlapping the window
+        assert (np.asarray(bar.base) + np.asarray(bar.x) >= 10.0).all()
+        assert (np.asarray(bar.base) <= 12.0).all()
+
+
+# Showing it in a notebook.
+
+def test_show_timeline_takes_a_path_or_a_run_and_returns_the_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = hand_made_trace(tmp_path / "t.json")
+    assert isinstance(show_timeline(str(path)), go.Figure)
+    figure = show_timeline(SimpleNamespace(timeline_path=path))
+    assert isinstance(figure, go.Figure)
+    printed = capsys.readouterr().out
+    assert "rank 0 (node-a)" in printed and "busy_fraction" in printed
+
+
+def test_show_timeline_explains_a_run_without_a_timeline() -> None:
+    with pytest.raises(ValueError, match="no timeline"):
+        show_timeline(SimpleNamespace(timeline_path=None))
+
+
+def test_summary_is_a_dataframe_indexed_by_rank(tmp_path: Path) -> None:
+    summary = summarize(load_trace(hand_made_trace(tmp_path / "t.json")))
+    assert isinstance(summary, pd.DataFrame)
+    assert list(summary.index) == [0, 1]
+    json.dumps(summary.reset_index().to_dict(orient="records"), default=str)
