@@ -1,0 +1,193 @@
+"""Ranks as Spark barrier tasks, on a real local SparkSession with 4 task slots.
+
+Each test runs a whole `Job` through `SparkLauncher`: the barrier stage, the rank processes
+its tasks start, the rendezvous through the driver's control server, and what comes back
+when a rank, an executor's Python or the Spark job itself fails.
+"""
+
+import collections
+import os
+import subprocess
+import sys
+import time
+
+import cloudpickle
+import pytest
+
+import ddl_magic
+from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.launch.spark import SparkLauncher
+from ddl_magic.tasks import FunctionTask
+
+RUN_TIMEOUT_S = 90
+# Failures must come back as soon as the tasks end, well before the run's start timeout.
+QUICK_FAILURE_S = 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def functions_travel_by_value():
+    """The executors cannot import this file: send its functions as a notebook's are sent."""
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    yield
+    cloudpickle.unregister_pickle_by_value(module)
+
+
+def run_on_spark(function, np, **kwargs):
+    options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
+    return Job(FunctionTask(function, kwargs), np, SparkLauncher(), options).run()
+
+
+def allreduce_ranks():
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
+    return hvd.rank(), hvd.size(), total.item()
+
+
+def append_rank_then_fail_on_rank_1(log_path):
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    with open(log_path, "a") as log:
+        log.write(f"{hvd.rank()}\n")
+    if hvd.rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    hvd.allreduce(torch.ones(1))  # waits for rank 1 until the driver stops this rank
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    """Poll `condition` until it holds or `timeout_s` passes (Spark's job status lags a little)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # an exited orphan waiting for init to reap it is gone too
+
+
+def no_spark_job_active(spark) -> bool:
+    return not spark.sparkContext.statusTracker().getActiveJobsIds()
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_every_rank_allreduces_and_returns_its_value(spark, np):
+    run = run_on_spark(allreduce_ranks, np)
+    total = float(sum(range(1, np + 1)))
+    assert run.results == [(rank, np, total) for rank in range(np)]
+    assert run.where == "Spark barrier tasks"
+    assert [rank.status for rank in run.ranks] == ["done"] * np
+
+
+def test_more_ranks_than_task_slots_is_refused_at_once(spark):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"np=5 needs 5 Spark task slots .* has 4 ") as refused:
+        run_on_spark(allreduce_ranks, 5)
+    assert time.monotonic() - started < 5
+    assert "np=4 or fewer" in str(refused.value)
+    assert no_spark_job_active(spark)
+
+
+def test_a_failing_rank_stops_every_rank_and_spark_does_not_run_it_again(spark, tmp_path):
+    log_path = tmp_path / "invocations.log"
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(append_rank_then_fail_on_rank_1, 2, log_path=str(log_path))
+    error = failure.value
+    assert error.rank == 1
+    assert "ValueError: rank 1 fails on purpose" in error.traceback
+    assert "append_rank_then_fail_on_rank_1" in error.traceback
+    invocations = collections.Counter(log_path.read_text().split())
+    assert invocations["1"] == 1 and max(invocations.values()) == 1  # rank 0 may be stopped first
+    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+    rank_pids = [rank.pid for rank in error.run.ranks if rank.pid is not None]
+    assert rank_pids and wait_until(lambda: not any(map(process_alive, rank_pids)), timeout_s=10)
+
+    assert run_on_spark(allreduce_ranks, 2).results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """A Python with nothing installed: neither ddl_magic nor its dependencies."""
+    venv = tmp_path_factory.mktemp("bare-venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture
+def executors_use(spark, monkeypatch):
+    """Run this test's Spark jobs with another Python on the executors, as a cluster might."""
+    def use(python: str) -> None:
+        context = spark.sparkContext
+        monkeypatch.setattr(context, "pythonExec", python)
+        # An executor's working directory is no checkout of ddl_magic: don't import from it.
+        monkeypatch.setitem(context.environment, "PYTHONSAFEPATH", "1")
+
+    return use
+
+
+def test_an_executor_python_without_ddl_magic_is_named_with_the_fix(spark, bare_python,
+                                                                     executors_use):
+    executors_use(bare_python)
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(allreduce_ranks, 2)
+    assert time.monotonic() - started < QUICK_FAILURE_S
+    assert failure.value.reason == (
+        f"the executors' Python ({bare_python}) cannot import ddl_magic: No module named "
+        "'ddl_magic'. Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python "
+        "that has it")
+    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+
+
+def test_a_rank_that_dies_before_it_registers_shows_what_it_printed(spark, executors_use,
+                                                                    tmp_path):
+    # ddl_magic is on this Python's path, but not the packages it needs.
+    with_ddl_magic_only = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(with_ddl_magic_only)],
+                   check=True, timeout=60)
+    site_packages, = with_ddl_magic_only.glob("lib/python*/site-packages")
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(ddl_magic.__file__)))
+    (site_packages / "ddl_magic_checkout.pth").write_text(checkout + "\n")
+    executors_use(str(with_ddl_magic_only / "bin" / "python"))
+
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(allreduce_ranks, 2)
+    assert time.monotonic() - started < QUICK_FAILURE_S
+    assert failure.value.reason == "exit code 1"
+    assert "ModuleNotFoundError: No module named" in failure.value.traceback
+
+
+def test_a_failed_spark_task_is_reported_as_its_rank_failing(spark, executors_use):
+    executors_use("/nonexistent/python3")
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(allreduce_ranks, 2)
+    assert time.monotonic() - started < QUICK_FAILURE_S
+    assert failure.value.rank in (0, 1)
+    assert failure.value.reason.startswith("its Spark task failed: ")
+    assert 'Cannot run program "/nonexistent/python3"' in failure.value.reason
+    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+
+
+def test_without_an_active_session_the_error_says_what_to_do(monkeypatch):
+    from pyspark.sql import SparkSession
+
+    monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
+    with pytest.raises(RuntimeError, match=r"SparkSession.builder.getOrCreate\(\).*--local"):
+        SparkLauncher()
