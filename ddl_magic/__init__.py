@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 
 def load_ipython_extension(ipython) -> None:
     """`%load_ext ddl_magic`: registers the `%%horovod` cell magic."""
+    from .launch.local import prewarm
     from .magic import HorovodMagics, show_run_error
 
     ipython.register_magics(HorovodMagics)
     ipython.set_custom_exc(show_run_error.handles, show_run_error)
+    prewarm()  # the first cell then finds torch already imported in the rank factory

@@ -128,7 +128,9 @@ class Job:
         global _last_run
         options = self.options
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic", "runs", run_id)
+        # Not "ddl_magic/...": a folder of that name in the working directory would shadow the
+        # package for ranks started there.
+        log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
         os.makedirs(log_dir, exist_ok=True)
         timeline_path = options.timeline_path
         if timeline_path is None:
@@ -222,9 +224,13 @@ class _RunWatcher:
         if isinstance(event, ProcessExited):
             rank = record.ranks[event.rank]
             rank.exit_code = event.returncode
-            if rank.status in ("starting", "running"):
-                self.handle(RankFailed(event.rank, rank.host, "", describe_exit(event.returncode),
-                                       event.returncode))
+            if event.output:
+                self._logs[event.rank].write(event.output)
+            # A running rank's end is reported by its control connection, in order after its
+            # last words; only a rank that never connected is reported here.
+            if rank.status == "starting":
+                self.handle(RankFailed(event.rank, rank.host, event.output,
+                                       describe_exit(event.returncode), event.returncode))
             return
         if isinstance(event, TimelineBatch):
             if self._trace is not None:

@@ -14,6 +14,7 @@ so it never appears in a process listing or a log.
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import socket
@@ -46,7 +47,13 @@ def main() -> None:
     host, port = address.rsplit(":", 1)
     with os.fdopen(int(os.environ["DDL_MAGIC_SECRET_FD"]), "rb") as pipe:
         secret = pipe.read()
-    sys.exit(run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret))
+    code = run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret)
+    # The result is reported: skip the interpreter's slow teardown of torch (seconds under
+    # load), which would only delay the end of the run.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:

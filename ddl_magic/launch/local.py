@@ -1,42 +1,123 @@
 """Ranks as local processes: the embedded default, no cluster needed.
 
-Processes are spawned, never forked: the notebook kernel may have CUDA initialised or
-threads running, neither of which survives a fork. Each rank gets one torch thread unless
-the user says otherwise (N ranks on N cores, not N x N threads), the kernel's working
-directory and its `sys.path`, so modules next to the notebook import on every rank.
+Ranks are forked by the rank factory (`rank_factory.py`), a clean process with torch
+already imported, never by the notebook kernel itself, where CUDA may be initialised and
+threads are running. Each rank gets one torch thread unless the user says otherwise (N ranks
+on N cores, not N x N threads), and the kernel's working directory, `sys.path` and
+environment, so modules next to the notebook import on every rank.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
-from ..events import RankOutput
+from .rank_factory import FrameReader, write_frame
+
+START_TIMEOUT_S = 60.0
 
 
 class ProcessExited:
-    """A rank's process ended (sent on the event queue; the run loop reads the exit code)."""
+    """A rank's process ended (sent on the event queue; the run loop reads the exit code).
 
-    def __init__(self, rank: int, returncode: int):
+    `output` is what it printed outside the worker's forwarding: an error before it could
+    connect to the driver, typically.
+    """
+
+    def __init__(self, rank: int, returncode: int, output: str = ""):
         self.rank = rank
         self.returncode = returncode
+        self.output = output
+
+
+class _RankFactory:
+    """The parent's handle on the factory process: fork a rank, hear when one exits."""
+
+    def __init__(self):
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", "from ddl_magic.launch.rank_factory import serve; serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd())
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._started: dict[int, queue.Queue] = {}
+        self._exit_listeners: dict[int, callable] = {}
+        self._early_exits: dict[int, int] = {}  # exits heard before anyone listened for them
+        threading.Thread(target=self._read_replies, name="ddl-rank-factory", daemon=True).start()
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def fork_rank(self, request: dict, on_exit) -> int:
+        """Start one rank; `on_exit(returncode)` is called from another thread when it ends."""
+        request_id = next(self._ids)
+        reply: queue.Queue = queue.Queue()
+        with self._lock:
+            self._started[request_id] = reply
+            write_frame(self._process.stdin.fileno(), {**request, "id": request_id})
+        try:
+            pid = reply.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            raise RuntimeError("the rank factory did not start a rank within "
+                               f"{START_TIMEOUT_S:.0f} s") from None
+        with self._lock:
+            early = self._early_exits.pop(pid, None)
+            if early is None:
+                self._exit_listeners[pid] = on_exit
+        if early is not None:
+            on_exit(early)
+        return pid
+
+    def _read_replies(self) -> None:
+        replies = FrameReader(self._process.stdout.fileno())
+        while (messages := replies.read()) is not None:
+            for kind, key, value in messages:
+                with self._lock:
+                    if kind == "started":
+                        self._started.pop(key).put(value)
+                        continue
+                    listener = self._exit_listeners.pop(key, None)
+                    if listener is None:
+                        self._early_exits[key] = value
+                if listener is not None:
+                    listener(value)
+
+
+_factory: _RankFactory | None = None
+_factory_lock = threading.Lock()
+
+
+def rank_factory() -> _RankFactory:
+    """The factory of this process, started on first use (or by `prewarm`)."""
+    global _factory
+    with _factory_lock:
+        if _factory is None or not _factory.alive():
+            _factory = _RankFactory()
+        return _factory
+
+
+def prewarm() -> None:
+    """Start the rank factory now, so that it has imported torch by the first run."""
+    rank_factory()
 
 
 class LocalLauncher:
-    """Starts `np` ranks as child processes of this one and stops them all on request."""
+    """Starts `np` ranks as local processes and stops them all on request."""
 
     bind_host = "127.0.0.1"
     advertised_host = "127.0.0.1"
     where = "local processes"
 
-    def __init__(self, env: dict[str, str] | None = None):
-        self._extra_env = dict(env or {})
-        self._processes: list[subprocess.Popen] = []
-        self._watchers: list[threading.Thread] = []
+    def __init__(self):
+        self._pids: list[int] = []
+        self._exited: dict[int, threading.Event] = {}
+        self._boot_dir = tempfile.mkdtemp(prefix="ddl_magic-boot-")
 
     def check(self, np: int) -> None:
         """Nothing to check up front: any number of local processes can start."""
@@ -55,69 +136,56 @@ class LocalLauncher:
 
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
               events: queue.Queue) -> None:
-        base_env = dict(os.environ)
-        base_env.update({
-            "DDL_MAGIC_CONTROL": f"{control_address[0]}:{control_address[1]}",
-            "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p),
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        })
-        base_env.update(self._extra_env)
+        sys_path = [os.getcwd(), *sys.path]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys_path if p)  # for what ranks start
+        factory = rank_factory()
         for rank in range(np):
-            read_end, write_end = os.pipe()
-            env = dict(base_env, DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end))
-            process = subprocess.Popen(
-                [sys.executable, "-m", "ddl_magic.worker"],
-                env=env, cwd=os.getcwd(), pass_fds=(read_end,),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True,  # Ctrl-C reaches the driver only; it stops the ranks
-            )
-            os.close(read_end)
-            with os.fdopen(write_end, "wb") as pipe:
-                pipe.write(secret)
-            self._processes.append(process)
-            for stream_name, stream in (("stdout", process.stdout), ("stderr", process.stderr)):
-                self._follow(rank, stream_name, stream, events)
-            self._follow_exit(rank, process, events)
+            boot_log = os.path.join(self._boot_dir, f"rank-{rank}.log")
+            exited = threading.Event()
+
+            def on_exit(returncode: int, rank=rank, boot_log=boot_log, exited=exited) -> None:
+                events.put(ProcessExited(rank, returncode, _take_boot_log(boot_log)))
+                exited.set()
+
+            pid = factory.fork_rank(
+                {"rank": rank, "control": control_address, "secret": secret, "env": env,
+                 "cwd": os.getcwd(), "sys_path": sys_path,
+                 "boot_log": boot_log},
+                on_exit)
+            self._pids.append(pid)
+            self._exited[pid] = exited
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Terminate every rank's process group, kill what remains after `grace_s`, reap all."""
-        for process in self._processes:
-            _signal_group(process, signal.SIGTERM)
-        for process in self._processes:
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(process, signal.SIGKILL)
-                process.wait()
-        for watcher in self._watchers:
-            watcher.join(timeout=5)
+        """Terminate every rank's process group, kill what remains after `grace_s`."""
+        for pid in self._pids:
+            _signal_group(pid, signal.SIGTERM)
+        for pid in self._pids:
+            if not self._exited[pid].wait(grace_s):
+                _signal_group(pid, signal.SIGKILL)
+                self._exited[pid].wait(5)
+        shutil.rmtree(self._boot_dir, ignore_errors=True)
 
-    def exit_codes(self) -> list[int | None]:
-        return [process.poll() for process in self._processes]
-
-    def _follow(self, rank: int, stream_name: str, stream, events: queue.Queue) -> None:
-        """Relay what a rank prints outside the worker's own forwarding (e.g. an import error)."""
-        def relay():
-            for raw in iter(stream.readline, b""):
-                events.put(RankOutput(rank, stream_name, raw.decode(errors="replace").rstrip("\r\n")))
-            stream.close()
-
-        self._start(relay)
-
-    def _follow_exit(self, rank: int, process: subprocess.Popen, events: queue.Queue) -> None:
-        self._start(lambda: events.put(ProcessExited(rank, process.wait())))
-
-    def _start(self, target) -> None:
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        self._watchers.append(thread)
+    @property
+    def pids(self) -> list[int]:
+        return list(self._pids)
 
 
-def _signal_group(process: subprocess.Popen, signum: int) -> None:
+def _take_boot_log(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        os.unlink(path)
+    except FileNotFoundError:
+        return ""
+    return text
+
+
+def _signal_group(pid: int, signum: int) -> None:
     """Signal the rank and anything it started (DataLoader workers, subprocesses)."""
     try:
-        os.killpg(process.pid, signum)
+        os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -235,7 +235,7 @@ class Coordinator:
         return warnings
 
     def _respond(self, name: str, requests: dict[int, Request]) -> Response:
-        first = _any(requests)
+        first = requests[min(requests)]  # the reference the others are compared with
         if first.kind == "join":
             last = self._joined[-1]
             self._joined.clear()
