@@ -12,7 +12,15 @@ or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``.
 from .job import RankFailedError, RunResult, last_run
 from .runner import HorovodRunner
 
-__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "last_run", "load_ipython_extension"]
+__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "last_run", "load_ipython_extension",
+           "show_timeline"]
+
+
+def show_timeline(path_or_run, **options) -> None:
+    """Show a run's timeline (a path, or `last_run()`) in the notebook: see ddl_magic.ui."""
+    from .ui.timeline_viewer import show_timeline as show
+
+    show(path_or_run, **options)  # plotly and pandas load only when a timeline is shown
 __version__ = "0.1.0"
 
 

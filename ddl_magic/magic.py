@@ -34,7 +34,8 @@ class HorovodMagics(Magics):
               help="the result is the list of every rank's last expression")
     @argument("--timeline", nargs="?", const="", metavar="PATH",
               help="record every rank's timeline (Chrome trace format) to PATH "
-                   "(default: in the run's log folder) and show it after the run")
+                   "(default: in the run's log folder) and show it after the run; it opens "
+                   "in chrome://tracing and Perfetto too")
     @argument("--timeout", type=float, metavar="SECONDS",
               help="stop all ranks if the cell runs longer than this")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -89,6 +90,10 @@ class HorovodMagics(Magics):
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}")
         run = Job(captured.payload, args.np, launcher, options).run()
+        if run.timeline_path:
+            from . import show_timeline
+
+            show_timeline(run)
         value = run.results if args.all_ranks else run.result
         if args.out:
             self.shell.user_ns[args.out] = value

@@ -33,6 +33,9 @@ class Entry:
     submitted_ns: int = field(default_factory=time.monotonic_ns)
 
 
+TIMELINE_NAMES_LISTED = 16
+
+
 class CollectiveRunner:
     """Executes responses over the ring, reusing its fusion and scratch buffers between calls."""
 
@@ -58,40 +61,40 @@ class CollectiveRunner:
         size = self.transport.world.size
         postscale = request.postscale / size if op is ReduceOp.AVERAGE else request.postscale
         if len(entries) == 1 and _is_host_contiguous(entries[0].output):
-            self._allreduce_in_place(entries[0], op, postscale)
+            self._allreduce_in_place(entries, op, postscale)
             return
         devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
         device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         numel = sum(e.tensor.numel() for e in entries)
-        names = _names(entries)
+        labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
         # Pack where the tensors live (on a GPU: one Triton launch for all of them), ...
         fused = self._fusion_buffer(request.dtype, numel, device)
-        with recorder.span("pack", names, bytes=numel * request.dtype.itemsize):
+        with labels.span("pack"):
             kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
         # ... reduce over TCP from host memory (pinned, for fast copies from and to a GPU), ...
         wire = fused if device.type == "cpu" else self._staged_on_host(fused)
-        self._ring_allreduce(wire, op, names)
+        self._ring_allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
         # ... and unpack where the outputs live, applying the postscale on the way.
-        with recorder.span("unpack", names, bytes=numel * request.dtype.itemsize):
+        with labels.span("unpack"):
             outputs = [e.output for e in entries]
             staged = [_on(o, device) for o in outputs]
             kernels.unpack(fused, staged, postscale)
             _copy_back(outputs, staged)
 
-    def _allreduce_in_place(self, entry: Entry, op: ReduceOp, postscale: float) -> None:
+    def _allreduce_in_place(self, entries: list[Entry], op: ReduceOp, postscale: float) -> None:
         """One host tensor: reduce directly in its output, skipping the fusion buffer's copies."""
+        entry = entries[0]
         if entry.output is not entry.tensor:
             entry.output.copy_(entry.tensor)
         buffer = entry.output.view(-1)
         _scale(buffer, entry.request.prescale)
-        self._ring_allreduce(buffer, op, entry.request.name)
+        self._ring_allreduce(buffer, op, _TimelineLabels(entries, buffer.numel() * buffer.element_size()))
         _scale(buffer, postscale)
 
-    def _ring_allreduce(self, buffer: torch.Tensor, op: ReduceOp, names: str) -> None:
-        nbytes = buffer.numel() * buffer.element_size()
-        observer = _TimelineObserver(names, nbytes, self.transport) if recorder.enabled else UNOBSERVED
+    def _ring_allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: "_TimelineLabels") -> None:
+        observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
         ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype), observer)
 
     def _staged_on_host(self, device_buffer: torch.Tensor) -> torch.Tensor:
@@ -149,16 +152,36 @@ class CollectiveRunner:
         return scratch
 
 
+class _TimelineLabels:
+    """How an allreduce's events are labelled; the tensor list is built only when recording."""
+
+    def __init__(self, entries: list[Entry], nbytes: int):
+        self.entries, self.nbytes = entries, nbytes
+        self.name = entries[0].request.name if len(entries) == 1 else f"{len(entries)} tensors"
+
+    def span(self, lane: str, **args):
+        if not recorder.enabled:
+            return recorder.span(lane, self.name)  # the shared no-op
+        return recorder.span(lane, self.name, bytes=self.nbytes, tensors=self.tensor_names(), **args)
+
+    def tensor_names(self) -> list[str]:
+        """The first few names of a large fusion, so trace files stay small."""
+        names = [e.request.name for e in self.entries[:TIMELINE_NAMES_LISTED]]
+        if len(self.entries) > TIMELINE_NAMES_LISTED:
+            names.append(f"... {len(self.entries) - TIMELINE_NAMES_LISTED} more")
+        return names
+
+
 class _TimelineObserver(RingObserver):
     """Records each ring phase, and each step's chunks, as timeline events."""
 
-    def __init__(self, names: str, nbytes: int, transport: RingTransport):
-        self.names, self.nbytes = names, nbytes
+    def __init__(self, labels: _TimelineLabels, transport: RingTransport):
+        self.labels = labels
         self.world = transport.world
         self.right, self.left = transport.right_rank, transport.left_rank
 
     def phase(self, name: str):
-        return recorder.span(name, self.names, bytes=self.nbytes, size=self.world.size)
+        return self.labels.span(name, size=self.world.size)
 
     def step(self, phase, step, sent_chunk, received_chunk, nbytes, started_ns) -> None:
         recorder.record("ring_step", f"{phase} step {step}", started_ns, time.monotonic_ns(),
@@ -209,8 +232,3 @@ def _row_numel(shape) -> int:
     for dim in shape:
         numel *= dim
     return numel
-
-
-def _names(entries: list[Entry]) -> str:
-    return entries[0].request.name if len(entries) == 1 else f"{len(entries)} tensors"
-

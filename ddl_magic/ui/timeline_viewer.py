@@ -281,21 +281,22 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.F
     return figure
 
 
-def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.Figure:
-    """Display a run's timeline and its per-rank summary in the notebook; return the figure.
+def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> None:
+    """Display a run's timeline and its per-rank summary in the notebook.
 
     Takes a trace file's path, or anything with a ``timeline_path`` attribute (the record
-    a ``%%horovod`` run returns). Outside IPython it prints the summary only.
+    ``ddl_magic.last_run()`` returns). Outside IPython it prints the summary only. For the
+    figure itself, use ``build_figure(load_trace(path))``.
 
     Example:
-        >>> figure = show_timeline("run.timeline.json")      # doctest: +SKIP
-        >>> figure = show_timeline(last_run)                 # doctest: +SKIP
+        >>> show_timeline("run.timeline.json")              # doctest: +SKIP
+        >>> show_timeline(ddl_magic.last_run())             # doctest: +SKIP
     """
     path = getattr(path_or_run, "timeline_path", path_or_run)
     if path is None:
         raise ValueError(
-            "this run has no timeline file: it was started without a timeline; "
-            "start it with the timeline turned on to record one"
+            "this run has no timeline: run it with %%horovod --timeline, "
+            "HorovodRunner(np, timeline=PATH) or ddlrun --timeline PATH to record one"
         )
     trace = load_trace(path)
     figure = build_figure(trace, max_shapes=max_shapes)
@@ -308,7 +309,6 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.
         display(summary)
     else:
         print(summary.to_string())
-    return figure
 
 
 @contextlib.contextmanager
