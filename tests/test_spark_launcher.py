@@ -191,3 +191,10 @@ def test_without_an_active_session_the_error_says_what_to_do(monkeypatch):
     monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
     with pytest.raises(RuntimeError, match=r"SparkSession.builder.getOrCreate\(\).*--local"):
         SparkLauncher()
+
+
+def test_gpus_without_spark_gpu_resources_is_an_error_before_launch(spark):
+    from ddl_magic import HorovodRunner
+
+    with pytest.raises(ValueError, match="spark.task.resource.gpu.amount"):
+        HorovodRunner(np=2, use_gpu=True).run(len, obj=[])

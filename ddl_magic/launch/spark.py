@@ -79,6 +79,16 @@ class SparkLauncher:
                 f"spark.task.cpus={self._cpus_per_task()}). Run with np={slots} or fewer, give "
                 "the cluster more executors or cores, or run the ranks as local processes.")
 
+    def check_gpus(self, np: int) -> None:
+        """GPU ranks need Spark to hand each task a GPU: refuse before launching if it won't."""
+        amount = float(self._context.getConf().get("spark.task.resource.gpu.amount", "0"))
+        if amount <= 0:
+            raise ValueError(
+                "GPUs were asked for (--gpu / use_gpu=True), but this SparkSession gives its "
+                "tasks no GPUs: create it with spark.task.resource.gpu.amount=1 (and "
+                "spark.executor.resource.gpu.amount plus a GPU discovery script), or drop the "
+                "GPU option")
+
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
               events: queue.Queue) -> None:
         """Submit the barrier stage from a background thread and return at once."""
@@ -235,6 +245,9 @@ def _run_rank_task(control_address, secret, reports, tail_lines, partition):
     read_end, write_end = os.pipe()
     env = dict(os.environ, DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
                DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end), PYTHONUNBUFFERED="1")
+    gpus = task.resources().get("gpu")
+    if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
     with os.fdopen(write_end, "wb") as pipe:
         try:
             process = subprocess.Popen(
