@@ -8,13 +8,28 @@ import pytest
 from kernel import Kernel
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+START_SPARK = """
+import os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false")
+         .config("spark.sql.shuffle.partitions", "4").getOrCreate())
+"""
+
+
+@pytest.fixture(scope="module", params=["local processes", "Spark barrier tasks"])
+def kernel(request, tmp_path_factory):
+    """A notebook kernel; in the second round a SparkSession is active, so cells run on Spark."""
     # Plain text output: these tests read the ranks' lines from the cell's stream output
     # (the widget view has its own tests).
-    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"}, cwd=str(tmp_path_factory.mktemp("nb")))
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "SPARK_LOCAL_IP": "127.0.0.1"},
+                    cwd=str(tmp_path_factory.mktemp("nb")))
     setup = kernel.run("%load_ext ddl_magic\nimport torch")
     assert setup.error is None, setup.error
+    if request.param == "Spark barrier tasks":
+        started = kernel.run(START_SPARK, timeout=180)
+        assert started.error is None, started.error
+    kernel.where = request.param
     yield kernel
     kernel.close()
 
@@ -44,6 +59,7 @@ def test_notebook_names_are_captured_and_rank_0_result_is_the_cell_result(kernel
     assert "[1] rank 1 sees scale=10" in out.stdout
     assert out.result == "30.0"
     assert kernel.run("total").result == "30.0"
+    assert kernel.run("import ddl_magic\nddl_magic.last_run().where").result == repr(kernel.where)
 
 
 def test_names_the_cell_assigns_stay_on_the_ranks(kernel):
@@ -125,4 +141,25 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     pids = [int(pid) for pid in re.findall(r"READY (\d+)", "".join(seen))]
     assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
     assert pids_alive(pids) == []
+    if kernel.where == "Spark barrier tasks":
+        assert kernel.run("spark.sparkContext.statusTracker().getActiveJobsIds()").result == "[]"
     assert kernel.run("%%horovod -np 2 --quiet\n'still works'").result == "'still works'"
+
+
+def test_a_failing_rank_runs_once(kernel, tmp_path):
+    marker = tmp_path / "runs.txt"
+    out = kernel.run("%%horovod -np 2 --quiet\n"
+                     "import ddl_magic.torch as hvd\nhvd.init()\n"
+                     f"open({str(marker)!r}, 'a').write(f'rank {{hvd.rank()}} ran\\n')\n"
+                     "hvd.barrier()\n"
+                     "if hvd.rank() == 1:\n    raise ValueError('once')\n")
+    assert out.error is not None and "once" in out.error["evalue"]
+    assert sorted(marker.read_text().splitlines()) == ["rank 0 ran", "rank 1 ran"]
+
+
+def test_more_ranks_than_spark_slots_is_refused_at_once(kernel):
+    if kernel.where != "Spark barrier tasks":
+        pytest.skip("local processes have no slot limit")
+    out = kernel.run("%%horovod -np 5\n1", timeout=30)
+    assert out.error is not None and "np=5 needs 5 Spark task slots" in out.error["evalue"]
+    assert "has 4" in out.error["evalue"]
