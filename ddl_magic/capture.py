@@ -65,20 +65,16 @@ def capture_function(function, kwargs: dict) -> bytes:
     try:
         return cloudpickle.dumps(FunctionTask(function, kwargs))
     except Exception as whole_error:
+        name = getattr(function, "__name__", repr(function))
         used = inspect.getclosurevars(function) if inspect.isfunction(function) else None
-        suspects = {**(used.nonlocals if used else {}), **(used.globals if used else {})}
-        for where, values in (("argument", kwargs), ("variable", suspects)):
-            for name, value in values.items():
-                try:
-                    cloudpickle.dumps(value)
-                except Exception as exc:
-                    raise CaptureError(
-                        f"{function.__name__}() uses the {where} {name!r} ({_kind(value)}), which "
-                        f"cannot be sent to the ranks: {type(exc).__name__}: {exc}. Create it "
-                        f"inside {function.__name__}() instead, or pass what it is made from."
-                    ) from None
-        raise CaptureError(f"{getattr(function, '__name__', function)!r} cannot be sent to the "
-                           f"ranks: {whole_error}") from None
+        for where, values in (("argument", kwargs),
+                              ("variable", {**used.nonlocals, **used.globals} if used else {})):
+            culprit = _first_unpicklable(values)
+            if culprit is not None:
+                raise CaptureError(
+                    f"{name}() uses the {where} {culprit}. Create it inside {name}() instead, "
+                    "or pass what it is made from.") from None
+        raise CaptureError(f"{name}() cannot be sent to the ranks: {whole_error}") from None
 
 
 def names_read(source: str) -> list[str]:
@@ -111,17 +107,24 @@ def _pickle(task: CellTask, names: dict) -> bytes:
     try:
         return cloudpickle.dumps(task)
     except Exception as whole_error:
-        for name, value in names.items():
-            try:
-                cloudpickle.dumps(value)
-            except Exception as exc:
-                raise CaptureError(
-                    f"the cell uses the notebook variable {name!r} ({_kind(value)}), which cannot "
-                    f"be sent to the ranks: {type(exc).__name__}: {exc}. Create it inside the "
-                    f"cell instead (each rank then builds its own), or pass what it is made from "
-                    f"(a path, a config dict)."
-                ) from None
+        culprit = _first_unpicklable(names)
+        if culprit is not None:
+            raise CaptureError(
+                f"the cell uses the notebook variable {culprit}. Create it inside the cell "
+                "instead (each rank then builds its own), or pass what it is made from (a path, "
+                "a config dict).") from None
         raise CaptureError(f"the cell cannot be sent to the ranks: {whole_error}") from None
+
+
+def _first_unpicklable(values: dict) -> str | None:
+    """"'lock' (lock), which cannot be sent to the ranks: TypeError: ..." for the first one."""
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            return (f"{name!r} ({_kind(value)}), which cannot be sent to the ranks: "
+                    f"{type(exc).__name__}: {exc}")
+    return None
 
 
 def _kind(value: object) -> str:
