@@ -1,0 +1,144 @@
+"""The teaching notebooks in example_notebooks/ run top to bottom in a real kernel and teach
+what they claim: each test executes one notebook with nbclient, then one more cell that
+reports the notebook's results, and checks them."""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "example_notebooks"
+CELL_TIMEOUT_S = 150
+NOTEBOOK_TIMEOUT_S = 240  # each notebook takes under a minute on 2 cores; CI may be slower
+REPORT_MARKER = "NOTEBOOK REPORT "
+
+
+def run_notebook(name: str, report: str) -> tuple[nbformat.NotebookNode, dict]:
+    """Execute the notebook, then `report` (code ending in a dict expression) in one more cell.
+
+    Returns the executed notebook and the dict. A failing cell fails the test with its traceback.
+    """
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    report = report.strip()
+    last = ast.parse(report).body[-1]
+    statements = "\n".join(report.splitlines()[:last.lineno - 1])
+    value = ast.get_source_segment(report, last.value)
+    notebook.cells.append(nbformat.v4.new_code_cell(
+        f"{statements}\nimport json\nprint({REPORT_MARKER!r} + json.dumps({value}))"))
+    client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()
+    printed = "".join(o.get("text", "") for o in notebook.cells[-1].outputs if o.output_type == "stream")
+    found = re.search(re.escape(REPORT_MARKER) + r"(.*)", printed)
+    assert found, f"the report cell printed no report: {printed!r}"
+    return notebook, json.loads(found.group(1))
+
+
+def printed_text(notebook: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                   for o in cell.get("outputs", []) if o.output_type == "stream")
+
+
+def source_of(notebook: nbformat.NotebookNode, kind: str) -> str:
+    return "\n".join(cell.source for cell in notebook.cells if cell.cell_type == kind)
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_01_iris_spark_mlp_and_torch_on_two_ranks_both_learn():
+    notebook, report = run_notebook("01_iris_mlp.ipynb", """
+import ddl_magic
+run = ddl_magic.last_run()
+{"spark": spark_accuracy, "torch": torch_accuracy, "shards": shard_sizes,
+ "checkpoint": os.path.exists(CHECKPOINT), "run": [run.status, run.np, run.where]}
+""")
+    assert report["spark"] >= 0.9
+    assert report["torch"] >= 0.9
+    assert report["shards"] == [53, 52]  # rank 0's copy of every rank's shard size
+    assert report["checkpoint"]
+    assert report["run"][:2] == ["done", 2] and "spark" not in report["run"][2].lower()
+    text = printed_text(notebook)
+    assert f"Spark MLP accuracy: {report['spark']:.3f}" in text
+    assert f"torch MLP (2 ranks) accuracy: {report['torch']:.3f}" in text
+    # The migration is shown step by step, and the distributed cell is numbered to match.
+    markdown, code = source_of(notebook, "markdown"), source_of(notebook, "code")
+    for step in range(1, 8):
+        assert f"**Step {step} — " in markdown
+        assert f"# Step {step}" in code
+    for call in ("hvd.init()", "hvd.local_rank()", "hvd.rank()::hvd.size()", "BASE_LR * hvd.size()",
+                 "hvd.DistributedOptimizer(", "hvd.broadcast_parameters(", "hvd.rank() == 0"):
+        assert call in code
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_02_mnist_cnn_trains_with_per_rank_progress_and_spark_scores_it():
+    notebook, report = run_notebook("02_mnist_cnn.ipynb", """
+import ddl_magic
+run = ddl_magic.last_run()
+{"test": test_accuracy, "spark": spark_accuracy, "scored": len(results), "epochs": EPOCHS,
+ "logs": [run.log(rank) for rank in range(run.np)], "status": run.status}
+""")
+    assert report["status"] == "done"
+    assert report["test"] >= 0.9
+    assert report["scored"] == 1000
+    # The same model on the same digits, on the ranks and on Spark's executors.
+    assert report["spark"] == pytest.approx(report["test"], abs=0.002)
+    text = printed_text(notebook)
+    assert f"test accuracy: {report['test']:.3f}" in text
+    assert f"Spark inference accuracy: {report['spark']:.3f} on 1000 digits" in text
+    epochs = report["epochs"]
+    for rank, log in enumerate(report["logs"]):
+        bars = re.findall(rf"rank {rank} epoch {epochs}/{epochs}: +(\d+)%", log)
+        assert bars and bars[-1] == "100", log[-2000:]  # its own tqdm bar, finished
+        assert f"rank {rank}: " in log and " of its test digits right" in log
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_03_ring_replayed_from_the_trace_matches_the_lecture_and_the_byte_count():
+    _, report = run_notebook("03_ring_watched.ipynb", """
+{"sums": [sum_2, sum_3, sum_4],
+ "lecture": {n: bool(t["as the lecture says"].all()) for n, t in steps.items()},
+ "steps": {n: len(t) for n, t in steps.items()},
+ "complete": {n: all(len(h) == n for row in replay(t, n)[-1][2] for h in row) for n, t in steps.items()},
+ "sent": traffic["ring: sent per rank (MB)"].to_dict(),
+ "formula": traffic["2(N-1)K/N (MB)"].to_dict(),
+ "same": traffic["every rank the same"].astype(bool).to_dict(),
+ "frames": {n: len(ring_figure(t, n).frames) for n, t in steps.items()}}
+""")
+    assert report["sums"] == [3.0, 6.0, 10.0]
+    for n in ("2", "3", "4"):
+        size = int(n)
+        assert report["steps"][n] == size * 2 * (size - 1)
+        assert report["lecture"][n], f"N={n}: a rank sent another chunk than the lecture says"
+        assert report["complete"][n]
+        assert report["sent"][n] == pytest.approx(report["formula"][n])
+        assert report["same"][n]
+        assert report["frames"][n] == 2 * (size - 1) + 1
+    assert report["sent"]["4"] == pytest.approx(7.2)  # 2 * 3/4 * 4.8 MB
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_04_timeline_shows_fusion_overlap_and_who_waits_for_the_slow_rank():
+    notebook, report = run_notebook("04_reading_a_timeline.ipynb", """
+slow_runs = waiting[waiting["run"] == "rank 1 sleeps"].set_index("rank")
+{"fused": int(runs["tensors"].max()), "gradients": int(runs["tensors"].sum()), "steps": STEPS,
+ "started": overlap["allreduces started during backward"].tolist(),
+ "hidden": overlap["share of ring time hidden"].tolist(),
+ "wait": slow_runs["negotiating ms"].tolist(), "slept": slow_runs["sleeping ms"].tolist(),
+ "delay_ms": STEPS * DELAY_S * 1000}
+""")
+    assert report["fused"] >= 2  # some ring runs carried several gradients
+    assert report["gradients"] == 8 * report["steps"]  # every gradient went through a ring run
+    for started in report["started"]:
+        submitted, _, total = started.split()
+        assert submitted == total and int(total) > 0
+    assert min(report["hidden"]) > 0.1
+    wait, slept, delay = report["wait"], report["slept"], report["delay_ms"]
+    assert slept[1] >= delay and slept[0] == slept[2] == 0
+    assert wait[0] - wait[1] > 0.5 * delay and wait[2] - wait[1] > 0.5 * delay
+    assert "rank 1 slept 1000 ms in all" in printed_text(notebook)
+    outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
+    assert sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs) >= 2
