@@ -183,11 +183,12 @@ class _TimelineObserver(RingObserver):
     def phase(self, name: str):
         return self.labels.span(name, size=self.world.size)
 
-    def step(self, phase, step, sent_chunk, received_chunk, nbytes, started_ns) -> None:
+    def step(self, phase, step, sent, sent_chunk, received, received_chunk, started_ns) -> None:
         recorder.record("ring_step", f"{phase} step {step}", started_ns, time.monotonic_ns(),
                         {"phase": phase, "step": step, "sent_chunk": sent_chunk,
-                         "received_chunk": received_chunk, "bytes": nbytes,
-                         "to": self.right, "from": self.left})
+                         "sent_bytes": sent.numel() * sent.element_size(), "to": self.right,
+                         "received_chunk": received_chunk,
+                         "bytes": received.numel() * received.element_size(), "from": self.left})
 
 
 def _reducer(op: ReduceOp):

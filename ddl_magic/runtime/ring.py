@@ -58,8 +58,8 @@ class RingObserver:
         """Wraps one phase: "scatter_reduce" or "allgather"."""
         return contextlib.nullcontext()
 
-    def step(self, phase: str, step: int, sent_chunk: int, received_chunk: int, nbytes: int,
-             started_ns: int) -> None:
+    def step(self, phase: str, step: int, sent: torch.Tensor, sent_chunk: int,
+             received: torch.Tensor, received_chunk: int, started_ns: int) -> None:
         """One step of a phase finished: which chunks went right and came from the left."""
 
 
@@ -102,7 +102,8 @@ def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
         started_ns = time.monotonic_ns()
         send_chunk = (rank - step) % size
         recv_chunk = (rank - step - 1) % size
-        sending = transport.send_to_right(_bytes(_chunk(buffer, bounds, send_chunk)))
+        sent = _chunk(buffer, bounds, send_chunk)
+        sending = transport.send_to_right(_bytes(sent))
         received = _chunk(buffer, bounds, recv_chunk)
         segment = max(1, SEGMENT_BYTES // buffer.element_size())
         for start in range(0, received.numel(), segment):
@@ -111,8 +112,7 @@ def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
             transport.recv_from_left(_bytes(theirs))
             reduce(mine, theirs)
         sending.wait()
-        observer.step("scatter_reduce", step, send_chunk, recv_chunk,
-                      received.numel() * received.element_size(), started_ns)
+        observer.step("scatter_reduce", step, sent, send_chunk, received, recv_chunk, started_ns)
 
 
 def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transport: RingTransport,
@@ -128,12 +128,11 @@ def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
         started_ns = time.monotonic_ns()
         send_chunk = (owned - step) % size
         recv_chunk = (owned - step - 1) % size
-        received = _chunk(buffer, bounds, recv_chunk)
-        sending = transport.send_to_right(_bytes(_chunk(buffer, bounds, send_chunk)))
+        sent, received = _chunk(buffer, bounds, send_chunk), _chunk(buffer, bounds, recv_chunk)
+        sending = transport.send_to_right(_bytes(sent))
         transport.recv_from_left(_bytes(received))
         sending.wait()
-        observer.step("allgather", step, send_chunk, recv_chunk,
-                      received.numel() * received.element_size(), started_ns)
+        observer.step("allgather", step, sent, send_chunk, received, recv_chunk, started_ns)
 
 
 def ring_broadcast(buffer: torch.Tensor, transport: RingTransport, root: int) -> None:
