@@ -386,15 +386,14 @@ def test_a_window_of_a_big_trace_is_drawn_in_detail(tmp_path: Path) -> None:
 
 # Showing it in a notebook.
 
-def test_show_timeline_takes_a_path_or_a_run_and_returns_the_figure(
+def test_show_timeline_takes_a_path_or_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = hand_made_trace(tmp_path / "t.json")
-    assert isinstance(show_timeline(str(path)), go.Figure)
-    figure = show_timeline(SimpleNamespace(timeline_path=path))
-    assert isinstance(figure, go.Figure)
-    printed = capsys.readouterr().out
-    assert "rank 0 (node-a)" in printed and "busy_fraction" in printed
+    for path_or_run in (str(path), SimpleNamespace(timeline_path=path)):
+        show_timeline(path_or_run)
+        printed = capsys.readouterr().out  # outside IPython: the summary, as text
+        assert "rank 0 (node-a)" in printed and "busy_fraction" in printed
 
 
 def test_show_timeline_explains_a_run_without_a_timeline() -> None:
