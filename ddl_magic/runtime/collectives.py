@@ -57,6 +57,9 @@ class CollectiveRunner:
 
     def _allreduce(self, entries: list[Entry]) -> None:
         request = entries[0].request
+        for entry in entries:
+            if entry.output is None:  # out-of-place: the output is made here, off the user's thread
+                entry.output = torch.empty_like(entry.tensor)
         op = ReduceOp(request.op)
         size = self.transport.world.size
         postscale = request.postscale / size if op is ReduceOp.AVERAGE else request.postscale

@@ -117,11 +117,11 @@ class Coordinator:
         self.cycle_time_s = cycle_time_s
         self.stall_time_s = stall_time_s
         self._submitted: dict[str, dict[int, Request]] = {}
-        self._first_seen: dict[str, float] = {}
-        self._ready: list[str] = []
+        # Names some ranks submitted and others not yet, oldest first, until warned about.
+        self._waiting_since: dict[str, float] = {}
+        self._ready: dict[str, None] = {}  # names ready on every rank, in the order they became so
         self._ready_since: float | None = None
         self._waited: set[str] = set()
-        self._stall_warned: set[str] = set()
         self._cache: dict[int, Request] = {}
         self._cache_id_of: dict[Request, int] = {}
         self._joined: list[int] = []  # in the order ranks called join()
@@ -137,7 +137,8 @@ class Coordinator:
                     "give concurrent collectives distinct names"
                 )
             by_rank[rank] = request
-            self._first_seen.setdefault(request.name, now)
+            if len(by_rank) == 1:
+                self._waiting_since[request.name] = now
             if request.kind == "join":
                 self._joined.append(rank)
                 for name in list(self._submitted):  # joined ranks may complete waiting names
@@ -152,7 +153,8 @@ class Coordinator:
         if len(submitted) < self.size:
             if _any(submitted).kind == "join" or len(submitted.keys() | set(self._joined)) < self.size:
                 return
-        self._ready.append(name)
+        self._ready[name] = None
+        self._waiting_since.pop(name, None)
         if self._ready_since is None:
             self._ready_since = now
 
@@ -165,10 +167,8 @@ class Coordinator:
         deadlines = []
         if self._ready_since is not None:
             deadlines.append(self._ready_since + self.cycle_time_s)
-        waiting = [t for name, t in self._first_seen.items()
-                   if name not in self._stall_warned and name not in self._ready]
-        if waiting:
-            deadlines.append(min(waiting) + self.stall_time_s)
+        if self._waiting_since:
+            deadlines.append(next(iter(self._waiting_since.values())) + self.stall_time_s)
         return min(deadlines) if deadlines else None
 
     def take_cycle(self, now: float) -> Cycle | None:
@@ -190,9 +190,7 @@ class Coordinator:
         request_of: dict[str, Request] = {}
         for name in self._ready:
             requests = self._submitted.pop(name)
-            del self._first_seen[name]
             self._waited.discard(name)
-            self._stall_warned.discard(name)
             response = self._respond(name, requests)
             request = request_of[name] = _any(requests)
             if response.error is None:
@@ -221,10 +219,10 @@ class Coordinator:
     def stall_warnings(self, now: float) -> list[str]:
         """One warning per tensor that some ranks submitted and others have not, for too long."""
         warnings = []
-        for name, since in self._first_seen.items():
-            if name in self._stall_warned or now - since < self.stall_time_s:
-                continue
-            self._stall_warned.add(name)
+        for name, since in list(self._waiting_since.items()):
+            if now - since < self.stall_time_s:
+                break  # oldest first: the rest are younger still
+            del self._waiting_since[name]
             have = sorted(self._submitted[name])
             missing = sorted(set(range(self.size)) - set(have))
             warnings.append(

@@ -11,6 +11,7 @@ while idle and reacts immediately when a request arrives.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import select
 import socket
@@ -31,22 +32,26 @@ from .transport import RingTransport
 class Handle:
     """An in-flight collective; `hvd.synchronize(handle)` waits for it and returns its output."""
 
-    __slots__ = ("name", "_queue", "_done", "_output", "_error")
+    __slots__ = ("name", "_queue", "_pending", "_output", "_error")
 
     def __init__(self, name: str, queue: "OpQueue"):
         self.name = name
         self._queue = queue
-        self._done = threading.Event()
+        # Held until the collective completes: a bare lock is the cheapest thing to wait on,
+        # and a burst of a thousand async calls creates a thousand of them.
+        self._pending = _thread.allocate_lock()
+        self._pending.acquire()
         self._output: torch.Tensor | None = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._pending.locked()
 
     def wait(self) -> torch.Tensor:
-        if not self._done.is_set():
+        if self._pending.locked():
             self._queue.note_waiting(self.name)
-            self._done.wait()
+            with self._pending:
+                pass
         if self._error is not None:
             # Raised afresh here: the background thread's frames would only confuse the user.
             raise self._error.with_traceback(None)
@@ -54,7 +59,7 @@ class Handle:
 
     def _complete(self, output: torch.Tensor | None = None, error: BaseException | None = None):
         self._output, self._error = output, error
-        self._done.set()
+        self._pending.release()
 
 
 class OpQueue:
