@@ -100,3 +100,13 @@ def test_stall_warning_names_tensor_and_missing_ranks_once():
     (warning,) = c.stall_warnings(now=11)
     assert "'slow'" in warning and "ranks [1]" in warning
     assert c.stall_warnings(now=30) == []
+
+
+def test_the_cache_stays_bounded_and_skips_unnamed_ops():
+    from ddl_magic.runtime.negotiation import CACHE_CAPACITY
+
+    c = coordinator(size=1)
+    c.submit(0, [allreduce(f"allreduce.noname.{i}") for i in range(10)], now=0)
+    assert c.take_cycle(now=1).cache_updates == {}
+    c.submit(0, [allreduce(f"grad.{i}") for i in range(CACHE_CAPACITY + 10)], now=2)
+    assert len(c.take_cycle(now=3).cache_updates) == CACHE_CAPACITY

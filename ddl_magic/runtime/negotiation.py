@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+CACHE_CAPACITY = 1024  # requests remembered for cheap resubmission, as Horovod's default
+
 
 @dataclass(frozen=True)
 class Request:
@@ -261,8 +263,11 @@ class Coordinator:
         return Response(first.kind, (name,))
 
     def _remember(self, request: Request, cycle: Cycle) -> None:
-        if request in self._cache_id_of or request.kind == "allgather":
-            return  # allgather shapes vary per rank: not cacheable by one request
+        if (request in self._cache_id_of or request.kind == "allgather"
+                or ".noname." in request.name or len(self._cache) >= CACHE_CAPACITY):
+            # Allgather shapes vary per rank; an unnamed op's name is never seen again; and the
+            # cache stays bounded when a program makes up new names as it goes.
+            return
         cache_id = len(self._cache)
         self._cache[cache_id] = request
         self._cache_id_of[request] = cache_id
