@@ -90,12 +90,24 @@ class OpQueue:
     def submit(self, request: Request, tensor: torch.Tensor | None,
                output: torch.Tensor | None) -> Handle:
         handle = Handle(request.name, self)
+        if self.world.size == 1:
+            return self._run_alone(Entry(request, tensor, output, handle))
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             self._incoming.append(Entry(request, tensor, output, handle))
         self._wake()
         return handle
+
+    def _run_alone(self, entry: Entry) -> Handle:
+        """A world of one has nothing to agree on: run at once, on the caller's thread."""
+        request = entry.request
+        if request.kind == "join":
+            entry.output = torch.tensor(0)
+        first_dims = (request.shape[0] if request.shape else 1,)
+        self._runner.run(Response(request.kind, (request.name,), first_dims=first_dims), [entry])
+        entry.handle._complete(output=entry.output)
+        return entry.handle
 
     def note_waiting(self, name: str) -> None:
         """The user's thread is about to block on `name`: tell rank 0 not to hold it back."""
