@@ -29,6 +29,13 @@ import sys, ddl_magic.torch as hvd
 hvd.init()
 sys.exit(3 if hvd.rank() == 2 else 0)
 """,
+    "straggler.py": """
+import threading, torch, ddl_magic.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    threading.Event().wait(2.5)  # rank 1 is late to submit: long enough for a stall warning
+hvd.allreduce(torch.ones(2), name="late.gradient")
+""",
     "long_allreduce.py": """
 import os, torch, ddl_magic.torch as hvd
 hvd.init()
@@ -123,6 +130,15 @@ def test_exit_code_is_that_of_the_failing_rank(scripts):
     result = ddlrun("-np", "3", "exits.py", cwd=scripts)
     assert result.returncode == 3
     assert "rank 2" in result.stderr and "exit code 3" in result.stderr
+
+
+def test_a_tensor_missing_on_some_ranks_is_reported_as_a_stall(scripts):
+    result = ddlrun("-np", "3", "--env", "HOROVOD_STALL_CHECK_TIME_SECONDS=1", "straggler.py",
+                    cwd=scripts)
+    assert result.returncode == 0
+    warning = next(line for line in result.stderr.splitlines() if "stall" in line)
+    assert warning.startswith("[0] ddl_magic warning")
+    assert "'late.gradient'" in warning and "ranks [1] have not submitted it" in warning
 
 
 def test_killed_rank_stops_the_run_within_two_seconds_leaving_no_process(scripts):
