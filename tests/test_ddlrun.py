@@ -29,6 +29,14 @@ import sys, ddl_magic.torch as hvd
 hvd.init()
 sys.exit(3 if hvd.rank() == 2 else 0)
 """,
+    "progress.py": """
+import sys
+for step in range(1, 51):
+    sys.stdout.write(f"\\rtraining {2 * step}%")
+    sys.stdout.flush()
+sys.stdout.write("\\n")
+print("finished")
+""",
     "straggler.py": """
 import threading, torch, ddl_magic.torch as hvd
 hvd.init()
@@ -130,6 +138,17 @@ def test_exit_code_is_that_of_the_failing_rank(scripts):
     result = ddlrun("-np", "3", "exits.py", cwd=scripts)
     assert result.returncode == 3
     assert "rank 2" in result.stderr and "exit code 3" in result.stderr
+
+
+def test_a_progress_bar_redrawn_with_carriage_returns_stays_one_line(scripts):
+    result = ddlrun("-np", "2", "progress.py", cwd=scripts)
+    assert result.returncode == 0
+    for rank in range(2):
+        lines = [line for line in result.stdout.splitlines() if line.startswith(f"[{rank}] ")]
+        # The bar's final state, then the next line; at most an occasional redraw before it
+        # (a terminal shows a long bar's progress every few seconds), never all fifty.
+        assert lines[-2:] == [f"[{rank}] training 100%", f"[{rank}] finished"]
+        assert len(lines) <= 4
 
 
 def test_a_tensor_missing_on_some_ranks_is_reported_as_a_stall(scripts):

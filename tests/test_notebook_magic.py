@@ -163,3 +163,13 @@ def test_more_ranks_than_spark_slots_is_refused_at_once(kernel):
     out = kernel.run("%%horovod -np 5\n1", timeout=30)
     assert out.error is not None and "np=5 needs 5 Spark task slots" in out.error["evalue"]
     assert "has 4" in out.error["evalue"]
+
+
+def test_help_lists_every_option_with_an_example():
+    from ddl_magic.magic import HorovodMagics
+
+    help_text = HorovodMagics.horovod.__doc__
+    for option in ("-np", "--spark", "--local", "--out", "--all-ranks", "--timeline", "--timeout",
+                   "--env", "--gpu", "--quiet"):
+        assert option in help_text, option
+    assert "Example::" in help_text and "%%horovod -np 2" in help_text
