@@ -119,7 +119,7 @@ def run_demo(np: int = 2, epochs: int = 150, timeline: str = "",
     print(f"ranks agree: {'the model is the same on every rank' if agree else 'NO, the models differ'} "
           f"(largest difference {result['spread']:g})")
     print(f"timeline: {runner.last_run.timeline_path}")
-    print("  view it in a notebook with ddl_magic.ui.show_timeline(path), "
+    print("  view it in a notebook with ddl_magic.show_timeline(path), "
           "or open it in chrome://tracing or https://ui.perfetto.dev")
     if not agree or result["accuracy"] < PASSING_ACCURACY:
         print(f"ddl_magic demo failed: expected the same model on every rank and an accuracy "
