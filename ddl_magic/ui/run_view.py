@@ -313,7 +313,9 @@ class RunView:
                 f"<td><code>{html.escape(last_line)}</code></td></tr>"
             )
         header = "<tr><th>rank</th><th>status</th><th>host</th><th>elapsed</th><th>last line</th></tr>"
-        return f'<table style="text-align:left">{header}{"".join(rows)}</table>'
+        # Spaced columns; the negative margin keeps the first column flush with the banner.
+        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+        return f'<table style="{style}">{header}{"".join(rows)}</table>'
 
     def _render_failure(self) -> str:
         if self._failed_rank is None:

@@ -1,0 +1,300 @@
+"""A person's view: JupyterLab in headless Chromium runs a `%%horovod --timeline` notebook.
+
+JupyterLab serves on loopback with a token; Chromium opens the notebook, and the test drives
+it through the Chrome DevTools Protocol (a websocket, `websocket-client`): "Run All Cells"
+as the Run menu does it, then checks the page's DOM for the rendered run view (its status
+table, its tabs, a tab's lines once clicked) and the plotly timeline, and takes screenshots
+of both (run_view.png, run_view_rank_1.png, timeline.png, page.png in the test's tmp
+folder, for a look when something seems off; a wait that times out leaves timed_out.png).
+
+Needs Chromium: ``apt-get install -y chromium``. Without it the test is skipped, and fails
+under CI (``CI=true``), where it must run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run",
+                  "--disable-dev-shm-usage", "--hide-scrollbars")
+WINDOW = (1400, 1600)
+STEPS = 5
+
+NOTEBOOK_CELLS = (
+    "%load_ext ddl_magic",
+    (
+        "%%horovod -np 2 --timeline\n"
+        "import torch\n"
+        "import ddl_magic.torch as hvd\n"
+        "hvd.init()\n"
+        f"for step in range({STEPS}):\n"
+        "    with hvd.timeline_span('step', step=step):\n"
+        "        hvd.allreduce(torch.ones(100_000), name='grad')\n"
+        "    print(f'step {step} on rank {hvd.rank()}')\n"
+        "hvd.rank()"
+    ),
+)
+
+# JavaScript run in the page. The run view is the widget box whose table has a "status" column.
+RUN_VIEW = """(() => [...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
+    .find(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status')))()"""
+
+
+def require_or_skip(ok: bool, message: str) -> None:
+    """Skip when a browser-test prerequisite is missing, but fail under CI, where it must run."""
+    if ok:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.2):
+    """Poll `check()` until it returns something truthy; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(interval)
+
+
+class DevToolsPage:
+    """One Chromium tab, driven through the Chrome DevTools Protocol."""
+
+    def __init__(self, websocket_url: str, folder: Path):
+        import websocket
+
+        self._folder = folder  # where a wait that times out leaves its screenshot
+        self._socket = websocket.create_connection(websocket_url, timeout=30, suppress_origin=True)
+        self._next_id = 0
+
+    def call(self, method: str, **params) -> dict:
+        self._next_id += 1
+        self._socket.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
+        while True:  # events arrive in between; only the answer to this call matters here
+            message = json.loads(self._socket.recv())
+            if message.get("id") == self._next_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"]
+
+    def evaluate(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                           awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression!r} raised {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, timeout: float, what: str):
+        """Poll `expression` until truthy; on timeout, a screenshot shows what the page showed."""
+        try:
+            return wait_until(lambda: self.evaluate(expression), timeout, what, interval=0.25)
+        except TimeoutError as exc:
+            shown = self.screenshot(self._folder / "timed_out.png")
+            raise TimeoutError(f"{exc}; the page then: {shown}") from None
+
+    def click(self, x: float, y: float) -> None:
+        """A real mouse click (lumino's tab bar listens to pointer events, not `click`)."""
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+    def screenshot(self, path: Path, element: str | None = None) -> Path:
+        """A PNG of the page, or of the element `element` evaluates to (scrolled into view)."""
+        params: dict = {"format": "png"}
+        if element is not None:
+            box = self.evaluate(f"""(() => {{ const e = {element};
+                e.scrollIntoView({{block: 'start'}});
+                const r = e.getBoundingClientRect();
+                return {{x: r.x, y: r.y, width: r.width, height: r.height}}; }})()""")
+            params.update(clip={**box, "scale": 1}, captureBeyondViewport=True)
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", **params)["data"]))
+        return path
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@pytest.fixture()
+def jupyterlab(tmp_path):
+    """JupyterLab on 127.0.0.1 with a token, serving `tmp_path/notebooks`; yields its base URL and token."""
+    require_or_skip(_importable("jupyterlab") and _importable("websocket"),
+                    "JupyterLab or websocket-client is missing: pip install -e '.[test]' installs them")
+    notebooks, config = tmp_path / "notebooks", tmp_path / "jupyter-config"
+    notebooks.mkdir()
+    # No "get Jupyter news?" toast over the screenshots.
+    (config / "labconfig").mkdir(parents=True)
+    (config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    port, token = free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config),
+           "JUPYTER_DATA_DIR": str(tmp_path / "jupyter-data"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter-workspaces"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter-settings")}
+    env.pop("DDL_MAGIC_DISPLAY", None)  # the widget run view, as a user gets it
+    log = open(tmp_path / "jupyterlab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={notebooks}", "--LabApp.expose_app_in_browser=True",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: server.poll() is not None or _answers(f"{base}/api/status?token={token}"),
+                   timeout=30, what=f"JupyterLab to answer (log: {log.name})")
+        assert server.poll() is None, (tmp_path / "jupyterlab.log").read_text()
+        yield base, token, notebooks
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+@pytest.fixture()
+def browser(tmp_path):
+    """Headless Chromium with one blank tab; yields a DevToolsPage on it."""
+    executable = next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
+    require_or_skip(executable is not None,
+                    "Chromium is missing: install it with `apt-get install -y chromium` "
+                    "(the browser test runs JupyterLab in headless Chromium)")
+    profile = tmp_path / "chromium-profile"
+    log = open(tmp_path / "chromium.log", "w")
+    process = subprocess.Popen(
+        [executable, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+         f"--window-size={WINDOW[0]},{WINDOW[1]}", "about:blank"],
+        stdout=subprocess.DEVNULL, stderr=log)
+    page = None
+    try:
+        # Chromium writes the port it chose, then the browser's websocket path, to this file.
+        port_file = profile / "DevToolsActivePort"
+        wait_until(lambda: process.poll() is not None or
+                   (port_file.exists() and len(port_file.read_text().split()) == 2),
+                   timeout=30, what="Chromium's DevTools port")
+        assert process.poll() is None, (tmp_path / "chromium.log").read_text()
+        port = int(port_file.read_text().split()[0])
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        page = DevToolsPage(next(t for t in targets if t["type"] == "page")["webSocketDebuggerUrl"], tmp_path)
+        page.call("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
+                  deviceScaleFactor=1, mobile=False)
+        # A headless tab never has focus, and JupyterLab finds "the current notebook" by focus.
+        page.call("Emulation.setFocusEmulationEnabled", enabled=True)
+        yield page
+    finally:
+        if page is not None:
+            page.close()
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp_path):
+    base, token, notebooks = jupyterlab
+    page = browser
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, notebooks / "run.ipynb")
+
+    page.call("Page.navigate", url=f"{base}/lab/tree/run.ipynb?token={token}")
+    page.wait_for("""(() => { const app = window.jupyterapp;
+        const panel = app && app.shell.currentWidget;
+        return !!(panel && panel.sessionContext && panel.sessionContext.session
+                  && panel.sessionContext.session.kernel
+                  && panel.sessionContext.session.kernel.connectionStatus === 'connected'
+                  && panel.content.widgets.length === 2); })()""",
+                  timeout=45, what="JupyterLab to open the notebook with a connected kernel")
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    # The run view: its table, both ranks done, a tab per rank.
+    page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
+        return !!view && view.textContent.includes('done in'); }})()""",
+                  timeout=45, what="the run view to show the finished run")
+    view = page.evaluate(f"""(() => {{ const view = {RUN_VIEW};
+        return {{
+            rows: [...view.querySelectorAll('tr')].slice(1).map(
+                tr => [...tr.querySelectorAll('td')].map(td => td.innerText)),
+            tabs: [...view.querySelectorAll('.lm-TabBar-tab')].map(tab => tab.innerText.trim()),
+            visible: view.querySelector('.widget-tab-contents .widget-html:not(.lm-mod-hidden)').innerText,
+        }}; }})()""")
+    assert [row[:2] for row in view["rows"]] == [["0", "done"], ["1", "done"]], view
+    assert view["tabs"] == ["all ranks", "rank 0", "rank 1"], view
+    for rank in range(2):
+        assert f"[{rank}] step {STEPS - 1} on rank {rank}" in view["visible"], view
+    page.screenshot(tmp_path / "run_view.png", element=RUN_VIEW)
+
+    # Clicking "rank 1" shows rank 1's lines alone.
+    tab = page.evaluate(f"""(() => {{ const tab = [...{RUN_VIEW}.querySelectorAll('.lm-TabBar-tab')]
+        .find(t => t.innerText.trim() === 'rank 1');
+        tab.scrollIntoView({{block: 'center'}}); const r = tab.getBoundingClientRect();
+        return {{x: r.x + r.width / 2, y: r.y + r.height / 2}}; }})()""")
+    page.click(tab["x"], tab["y"])
+    rank_1 = page.wait_for(f"""(() => {{ const shown = {RUN_VIEW}.querySelector(
+            '.widget-tab-contents .widget-html:not(.lm-mod-hidden)');
+        return shown && !shown.innerText.includes('[') && shown.innerText; }})()""",
+                           timeout=10, what="the rank 1 tab to show")
+    assert f"step {STEPS - 1} on rank 1" in rank_1 and "rank 0" not in rank_1
+    page.screenshot(tmp_path / "run_view_rank_1.png", element=RUN_VIEW)
+
+    # The timeline viewer: a plotly figure with a row per (rank, lane) and bars in it.
+    page.wait_for("document.querySelectorAll('.js-plotly-plot .bars path').length > 0",
+                  timeout=30, what="the plotly timeline to draw its bars")
+    figure = page.evaluate("""(() => { const plot = document.querySelector('.js-plotly-plot');
+        return { title: plot.querySelector('.gtitle').textContent,
+                 rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent),
+                 bars: plot.querySelectorAll('.bars path').length }; })()""")
+    assert "from 2 rank(s)" in figure["title"], figure
+    for rank in range(2):
+        assert any(row.startswith(f"rank {rank} (") and row.endswith("· user") for row in figure["rows"]), figure
+        assert any(row.startswith(f"rank {rank} (") and "scatter_reduce" in row for row in figure["rows"]), figure
+    assert figure["bars"] >= 2 * STEPS
+    page.screenshot(tmp_path / "timeline.png", element="document.querySelector('.js-plotly-plot')")
+    page.screenshot(tmp_path / "page.png")
+    assert (tmp_path / "run_view.png").stat().st_size > 5_000
+    assert (tmp_path / "timeline.png").stat().st_size > 5_000
