@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from common import (print_table, run_ours, slowest_rank, spread, summarize, time_iterations, warn_if_busy,
                     write_results)
 from timeline_viewer import measure as measure_viewer
-from train_step import BATCH_PER_RANK, LAYERS, in_sync, mlp, sgd, synthetic_batches
+from train_step import BATCH_PER_RANK, LAYERS, in_sync, mlp, sgd, training_step
 
 NP = 2
 TARGET_OVERHEAD = 0.03
@@ -53,18 +52,7 @@ def alternating_training(blocks: int, steps_per_block: int, warmup: int, timelin
     model = mlp()
     optimizer = hvd.DistributedOptimizer(sgd(model, hvd.size()), named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    batches = synthetic_batches(hvd.rank())
-    loss_fn = nn.CrossEntropyLoss()
-    step_number = 0
-
-    def train_step():
-        nonlocal step_number
-        inputs, labels = batches[step_number % len(batches)]
-        step_number += 1
-        optimizer.zero_grad()
-        loss_fn(model(inputs), labels).backward()
-        optimizer.step()
-
+    train_step = training_step(model, optimizer, hvd.rank())
     time_iterations(train_step, hvd.barrier, 0, warmup)
     times: dict[str, list[float]] = {"off": [], "on": []}
     for block in range(blocks):

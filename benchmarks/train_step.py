@@ -54,9 +54,8 @@ def synthetic_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(BATCHES_IN_ROTATION)]
 
 
-def time_training(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, barrier,
-                  steps: int, warmup: int) -> dict:
-    """Time `steps` training steps; the summary carries a checksum of the final weights."""
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int):
+    """A function running one training step on this rank's next synthetic batch."""
     batches = synthetic_batches(rank)
     loss_fn = nn.CrossEntropyLoss()
     step_number = 0
@@ -69,6 +68,13 @@ def time_training(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
         loss_fn(model(inputs), labels).backward()
         optimizer.step()
 
+    return train_step
+
+
+def time_training(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, barrier,
+                  steps: int, warmup: int) -> dict:
+    """Time `steps` training steps; the summary carries a checksum of the final weights."""
+    train_step = training_step(model, optimizer, rank)
     summary = summarize(time_iterations(train_step, barrier, steps, warmup))
     summary["weights_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary

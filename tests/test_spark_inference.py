@@ -1,34 +1,25 @@
 """`predict_batches`: a model's predictions as a DataFrame column, on a real local SparkSession."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("pyspark")
-from pyspark.sql import SparkSession
-
 from ddl_magic.spark_inference import predict_batches, torch_classifier
 
 ROWS_PER_BATCH_FROM_SPARK = 10
 
 
-@pytest.fixture(scope="module")
-def spark():
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYSPARK_PYTHON", sys.executable)
-        env.setenv("SPARK_LOCAL_IP", "127.0.0.1")
-        session = (SparkSession.builder.master("local[2]").appName("test_spark_inference")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.sql.shuffle.partitions", "2")
-                   # Small Arrow batches, so a partition reaches the Python worker as several.
-                   .config("spark.sql.execution.arrow.maxRecordsPerBatch", str(ROWS_PER_BATCH_FROM_SPARK))
-                   .getOrCreate())
-        session.sparkContext.setLogLevel("ERROR")
-        yield session
-        session.stop()
+@pytest.fixture(scope="module", autouse=True)
+def small_arrow_batches(spark):
+    """Small Arrow batches, so a partition reaches the Python worker as several."""
+    setting = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    previous = spark.conf.get(setting)
+    spark.conf.set(setting, str(ROWS_PER_BATCH_FROM_SPARK))
+    yield
+    spark.conf.set(setting, previous)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +110,7 @@ def test_a_custom_predict_and_output_type(spark):
 
 
 def test_predict_must_return_one_value_per_row(spark):
-    df = spark.createDataFrame([(1.0,), (2.0,), (3.0,)], "x double")
+    df = spark.createDataFrame([(1.0,), (2.0,), (3.0,)], "x double").coalesce(1)  # one batch of 3
     scored = predict_batches(df, lambda: None, ["x"], predict=lambda model, x: [0])
     with pytest.raises(Exception, match="predict returned 1 values for a batch of"):
         scored.collect()
