@@ -127,6 +127,9 @@ class Job:
     def run(self) -> RunResult:
         global _last_run
         options = self.options
+        self.launcher.check(self.np)  # before anything is created: a refused run leaves no trace
+        if options.use_gpu:
+            self.launcher.check_gpus(self.np)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         # Not "ddl_magic/...": a folder of that name in the working directory would shadow the
         # package for ranks started there.
@@ -142,9 +145,6 @@ class Job:
         record.ranks = [RankRecord(r, log_path=os.path.join(log_dir, f"rank-{r}.log"))
                         for r in range(self.np)]
         _last_run = record
-        self.launcher.check(self.np)
-        if options.use_gpu:
-            self.launcher.check_gpus(self.np)
         events: queue.Queue = queue.Queue()
         env = {**options.env, "DDL_MAGIC_GPU": "1"} if options.use_gpu else options.env
         settings = {"env": env, "timeline": timeline_path is not None,
