@@ -66,6 +66,9 @@ class _RankFactory:
         except queue.Empty:
             raise RuntimeError("the rank factory did not start a rank within "
                                f"{START_TIMEOUT_S:.0f} s") from None
+        if pid is None:
+            raise RuntimeError("the rank factory exited before starting the rank; the next run "
+                               "starts a new one")
         with self._lock:
             early = self._early_exits.pop(pid, None)
             if early is None:
@@ -76,6 +79,15 @@ class _RankFactory:
 
     def _read_replies(self) -> None:
         replies = FrameReader(self._process.stdout.fileno())
+        try:
+            self._dispatch(replies)
+        finally:  # the factory is gone: nobody waiting for a rank may wait in vain
+            with self._lock:
+                waiting, self._started = list(self._started.values()), {}
+            for reply in waiting:
+                reply.put(None)
+
+    def _dispatch(self, replies: FrameReader) -> None:
         while (messages := replies.read()) is not None:
             for kind, key, value in messages:
                 with self._lock:
