@@ -31,7 +31,9 @@ What the loops below add to the lecture:
 - the send of a step runs on the transport's sender thread while this thread receives,
   so both directions of every link are busy at once (full duplex);
 - a received chunk is read and reduced in segments of `SEGMENT_BYTES`, so reducing one
-  segment overlaps the kernel receiving the next one.
+  segment overlaps the kernel receiving the next one;
+- a `RingObserver` may watch each phase and step (the timeline's does); the default one
+  watches nothing and costs nothing.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
                    reduce: Reduce, scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
     """After this, rank r holds the reduction over all ranks of chunk (r + 1) of `buffer`."""
     rank, size = transport.world.rank, transport.world.size
+    segment = max(1, SEGMENT_BYTES // buffer.element_size())
     for step in range(size - 1):
         started_ns = time.monotonic_ns()
         send_chunk = (rank - step) % size
@@ -105,7 +108,6 @@ def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
         sent = _chunk(buffer, bounds, send_chunk)
         sending = transport.send_to_right(_bytes(sent))
         received = _chunk(buffer, bounds, recv_chunk)
-        segment = max(1, SEGMENT_BYTES // buffer.element_size())
         for start in range(0, received.numel(), segment):
             mine = received[start:start + segment]
             theirs = scratch[:mine.numel()]
