@@ -207,3 +207,25 @@ def test_join_lets_ranks_with_less_data_contribute_zeros():
         assert sums == expected[:rank + 1]
         assert last == 2
         assert after == 3.0
+
+
+def same_name_twice_at_once():
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    first = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
+    second = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
+    try:
+        hvd.synchronize(second)
+        error = None
+    except hvd.HorovodInternalError as exc:
+        error = str(exc)
+    return hvd.synchronize(first).tolist(), error
+
+
+def test_one_name_in_flight_twice_is_refused_and_the_first_completes():
+    for first, error in run_on_ranks(same_name_twice_at_once, 2, timeout_s=60):
+        assert first == [2.0, 2.0]
+        assert "'twice' was submitted again before its previous collective completed" in error

@@ -168,10 +168,11 @@ class OpQueue:
         followers = dict(self.transport.coordination)  # rank -> channel
         try:
             self._coordinate_followers(followers)
-        except HorovodInternalError as exc:
-            for channel in followers.values():  # so every rank learns which peer was lost
+        except BaseException as exc:  # every rank must learn why, or its handles would wait forever
+            reason = str(exc) if isinstance(exc, HorovodInternalError) else f"rank 0: {exc}"
+            for channel in followers.values():
                 try:
-                    channel.send(("abort", str(exc)))
+                    channel.send(("abort", reason))
                 except OSError:
                     pass
             raise
@@ -216,9 +217,16 @@ class OpQueue:
             items = list(self._incoming)
             self._incoming.clear()
             closing = self._closing
-        entries = [item for item in items if isinstance(item, Entry)]
-        for entry in entries:
-            self._pending[entry.request.name] = entry
+        entries = []
+        for entry in (item for item in items if isinstance(item, Entry)):
+            name = entry.request.name
+            if name in self._pending:  # refused here, so the first one still completes
+                entry.handle._complete(error=HorovodInternalError(
+                    f"tensor {name!r} was submitted again before its previous collective "
+                    "completed: give concurrent collectives distinct names"))
+                continue
+            self._pending[name] = entry
+            entries.append(entry)
         waited = [item for item in items if isinstance(item, str) and item in self._pending]
         return entries, waited, closing
 
