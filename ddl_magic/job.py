@@ -23,7 +23,7 @@ from .control import ControlServer
 from .events import (RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch,
                      TimelineStarted)
 from .launch.local import ProcessExited, describe_exit
-from .protocol import new_secret
+from .protocol import ABORTED_EXIT_CODE, new_secret
 from .trace_writer import TraceWriter
 from .ui import make_display
 
@@ -269,7 +269,7 @@ class _RunWatcher:
             return  # the process exit and the lost connection report the same end
         rank.ended_at = time.time()
         stopped_by_us = self._stopping or (
-            self._failures and failure.reason in ("connection lost", "exit code 143"))
+            self._failures and failure.reason in ("connection lost", describe_exit(ABORTED_EXIT_CODE)))
         if stopped_by_us:  # because another rank failed, or the run was interrupted
             rank.status = "stopped"
             return

@@ -31,6 +31,7 @@ import threading
 import time
 
 _LENGTH = struct.Struct("!Q")
+ABORTED_EXIT_CODE = 143  # 128 + SIGTERM: what a rank exits with when the driver stops it
 _NONCE_BYTES = 32
 _HANDSHAKE_FRAME_LIMIT = 256
 

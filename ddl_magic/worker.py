@@ -25,7 +25,7 @@ import traceback
 
 import cloudpickle
 
-from .protocol import Channel, PeerClosedError
+from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .runtime import context
 from .runtime.errors import HorovodInternalError
 from .runtime.timeline import recorder
@@ -144,7 +144,7 @@ def _obey_driver(channel: Channel) -> None:
     except (OSError, PeerClosedError, EOFError):
         pass  # the driver went away
     if not _leaving.is_set():
-        os._exit(143)  # the driver already knows why: it asked, or it is gone
+        os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
 
 
 def start_timeline_shipping() -> None:
