@@ -8,6 +8,7 @@ stays the plain algorithm.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,7 +54,7 @@ class CollectiveRunner:
             self._allgather(entries[0], response.first_dims)
         elif response.kind == "broadcast":
             self._broadcast(entries[0])
-        # "barrier": agreeing that every rank got here is the whole operation.
+        # "barrier" and "join": agreeing that every rank got here is the whole operation.
 
     def _allreduce(self, entries: list[Entry]) -> None:
         request = entries[0].request
@@ -114,7 +115,7 @@ class CollectiveRunner:
 
     def _allgather(self, entry: Entry, first_dims: tuple[int, ...]) -> None:
         tensor = entry.tensor
-        row = _row_numel(tensor.shape[1:])
+        row = math.prod(tensor.shape[1:])
         bounds, start = [], 0
         for dim in first_dims:
             bounds.append((start, start + dim * row))
@@ -229,10 +230,3 @@ def _copy_back(outputs: list[torch.Tensor], staged: list[torch.Tensor]) -> None:
     for output, host in zip(outputs, staged):
         if host is not output:
             output.copy_(host)
-
-
-def _row_numel(shape) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel

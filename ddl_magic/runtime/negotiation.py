@@ -24,6 +24,7 @@ waiting would only add latency.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -46,10 +47,7 @@ class Request:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        return numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
