@@ -7,9 +7,11 @@
     run the task ──► send its result, or the traceback
     exit; and exit at once if the driver aborts the run or goes away
 
-Started as ``python -m ddl_magic.worker`` with ``DDL_MAGIC_CONTROL`` (host:port) and
-``DDL_MAGIC_RANK`` in the environment and the secret on the pipe ``DDL_MAGIC_SECRET_FD``,
-so it never appears in a process listing or a log.
+A Spark task starts it as ``python -m ddl_magic.worker`` with ``DDL_MAGIC_CONTROL``
+(host:port) and ``DDL_MAGIC_RANK`` in the environment and the secret on the pipe
+``DDL_MAGIC_SECRET_FD``; a local rank is forked by the rank factory, which calls `run_rank`
+with the secret it received on its private pipe. Either way the secret never appears in a
+process listing or a log.
 """
 
 from __future__ import annotations
