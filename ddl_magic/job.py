@@ -24,6 +24,7 @@ from .events import (RankFailed, RankFinished, RankOutput, RankStarted, Timeline
                      TimelineStarted)
 from .launch.local import ProcessExited, describe_exit
 from .protocol import ABORTED_EXIT_CODE, new_secret
+from .runtime.shared_memory import TRANSPORT_VARIABLE, transport_choice
 from .trace_writer import TraceWriter
 from .ui import make_display
 
@@ -128,6 +129,10 @@ class Job:
         global _last_run
         options = self.options
         self.launcher.check(self.np)  # before anything is created: a refused run leaves no trace
+        # Checked here, not first on every rank; and passed on, since Spark executors do not
+        # inherit the notebook's environment.
+        transport = transport_choice(options.env.get(TRANSPORT_VARIABLE,
+                                                     os.environ.get(TRANSPORT_VARIABLE)))
         if options.use_gpu:
             self.launcher.check_gpus(self.np)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
@@ -146,7 +151,9 @@ class Job:
                         for r in range(self.np)]
         _last_run = record
         events: queue.Queue = queue.Queue()
-        env = {**options.env, "DDL_MAGIC_GPU": "1"} if options.use_gpu else options.env
+        env = {**options.env, TRANSPORT_VARIABLE: transport}
+        if options.use_gpu:
+            env["DDL_MAGIC_GPU"] = "1"
         settings = {"env": env, "timeline": timeline_path is not None,
                     "return_all": options.return_all}
         secret = new_secret()

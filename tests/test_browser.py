@@ -292,7 +292,7 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
     assert "from 2 rank(s)" in figure["title"], figure
     for rank in range(2):
         assert any(row.startswith(f"rank {rank} (") and row.endswith("· user") for row in figure["rows"]), figure
-        assert any(row.startswith(f"rank {rank} (") and "scatter_reduce" in row for row in figure["rows"]), figure
+        assert any(row.startswith(f"rank {rank} (") and "shared_memory" in row for row in figure["rows"]), figure
     assert figure["bars"] >= 2 * STEPS
     page.screenshot(tmp_path / "timeline.png", element="document.querySelector('.js-plotly-plot')")
     page.screenshot(tmp_path / "page.png")

@@ -1,8 +1,12 @@
-"""Every collective's values against a locally computed expectation, on 1 to 4 real ranks.
+"""Every collective's values against a locally computed expectation, on 1 to 4 real ranks,
+over each transport: shared memory (the default between ranks on one host) and the TCP ring.
 
-Each world size is launched once (processes are the expensive part); every rank runs all the
-checks below and reports which failed, so each check still passes or fails on its own.
+Each (world size, transport) is launched once (processes are the expensive part); every rank
+runs all the checks below and reports which failed, so each check still passes or fails on
+its own.
 """
+
+import os
 
 import pytest
 import torch
@@ -143,6 +147,33 @@ def check_mismatch_names_the_tensor_and_ranks(hvd):
     return ["no error for mismatched shapes"]
 
 
+def check_large_buffers(hvd):
+    """Sizes past the shared-memory buffer: reduce-scatter in place, several rounds per call."""
+    failures = []
+    numel = 3_000_001  # 12 MB of float32: two rounds of an 8 MiB buffer, odd split between ranks
+    result = hvd.allreduce(rank_input(hvd.rank(), numel, torch.float32), op=hvd.Sum)
+    if not torch.equal(result, expected_reduction(hvd.size(), numel, torch.float32, "sum").float()):
+        failures.append("allreduce of 12 MB")
+    root = hvd.size() - 1
+    result = hvd.broadcast(rank_input(hvd.rank(), numel, torch.float32), root_rank=root)
+    if not torch.equal(result, rank_input(root, numel, torch.float32)):
+        failures.append("broadcast of 12 MB")
+    rows = 1_000_000  # rank r contributes r + 1 rows of 3: blocks of different sizes, up to 48 MB
+    gathered = hvd.allgather(torch.full(((hvd.rank() + 1) * rows // 3, 3), float(hvd.rank())))
+    expected = torch.cat([torch.full(((r + 1) * rows // 3, 3), float(r)) for r in range(hvd.size())])
+    if not torch.equal(gathered, expected):
+        failures.append("allgather of blocks of different sizes")
+    return failures
+
+
+def check_transport(hvd):
+    from ddl_magic.runtime import context
+
+    expected = "none" if hvd.size() == 1 else os.environ["DDL_MAGIC_TRANSPORT"]
+    actual = context.current("check_transport").transport
+    return [] if actual == expected else [f"moved data by {actual}, expected {expected}"]
+
+
 def check_topology(hvd):
     expected = (hvd.rank(), hvd.size(), hvd.size(), 0, 1)
     actual = (hvd.local_rank(), hvd.local_size(), hvd.size(), hvd.cross_rank(), hvd.cross_size())
@@ -152,7 +183,7 @@ def check_topology(hvd):
 CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
           check_async_in_rank_dependent_order, check_grouped_allreduce, check_allgather,
           check_broadcast, check_objects_and_barrier, check_mismatch_names_the_tensor_and_ranks,
-          check_topology]
+          check_large_buffers, check_transport, check_topology]
 
 
 def run_all_checks():
@@ -169,18 +200,21 @@ def run_all_checks():
 def reports():
     cache = {}
 
-    def for_size(np):
-        if np not in cache:
-            cache[np] = run_on_ranks(run_all_checks, np, timeout_s=240)
-        return cache[np]
+    def for_run(np, transport):
+        if (np, transport) not in cache:
+            cache[np, transport] = run_on_ranks(run_all_checks, np, timeout_s=240,
+                                                env={"DDL_MAGIC_TRANSPORT": transport})
+        return cache[np, transport]
 
-    return for_size
+    return for_run
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
-def test_collective(reports, np, check):
-    failures = {rank: report[check] for rank, report in enumerate(reports(np)) if report[check]}
+@pytest.mark.parametrize("np, transport", [(1, "shm"), (2, "shm"), (3, "shm"), (4, "shm"),
+                                           (2, "tcp"), (3, "tcp"), (4, "tcp")])
+def test_collective(reports, np, transport, check):
+    failures = {rank: report[check] for rank, report in enumerate(reports(np, transport))
+                if report[check]}
     assert failures == {}
 
 

@@ -1,9 +1,10 @@
-"""Running one negotiated response on this rank: fusion buffer in, ring, fusion buffer out.
+"""Running one negotiated response on this rank: fusion buffer in, transport, fusion buffer out.
 
 The op queue hands each `Response` here together with this rank's entries for its names.
-Everything around the ring lives here — packing many tensors into one fusion buffer, the
-prescale and postscale factors, staging CUDA tensors through host memory — so `ring.py`
-stays the plain algorithm.
+Everything around the data movement lives here — packing many tensors into one fusion
+buffer, the prescale and postscale factors, staging CUDA tensors through host memory, and
+choosing the transport: shared memory when every rank is on this host (`shared_memory.py`),
+else the TCP ring (`ring.py`) — so the algorithms stay plain.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .negotiation import Request, Response
 from .reduce_ops import ReduceOp
 from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
                    ring_broadcast)
+from .shared_memory import HostGroup
 from .timeline import recorder
 from .transport import RingTransport
 
@@ -38,10 +40,17 @@ TIMELINE_NAMES_LISTED = 16
 
 
 class CollectiveRunner:
-    """Executes responses over the ring, reusing its fusion and scratch buffers between calls."""
+    """Executes responses, reusing its fusion and scratch buffers between calls.
 
-    def __init__(self, transport: RingTransport):
+    With a `host_group` that holds every rank, collectives go through shared memory;
+    otherwise through the TCP ring.
+    """
+
+    def __init__(self, transport: RingTransport, host_group: HostGroup | None = None):
         self.transport = transport
+        self.host_group = host_group
+        whole_world = host_group is not None and host_group.size == transport.world.size
+        self._shared_memory = host_group if whole_world else None
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
@@ -98,6 +107,10 @@ class CollectiveRunner:
         _scale(buffer, postscale)
 
     def _ring_allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: "_TimelineLabels") -> None:
+        if self._shared_memory is not None:
+            with labels.span("shared_memory", op="allreduce", size=self.transport.world.size):
+                self._shared_memory.allreduce(buffer, op.kernel_name)
+            return
         observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
         ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype), observer)
 
@@ -125,9 +138,13 @@ class CollectiveRunner:
         flat = output.view(-1)
         own_start, own_end = bounds[rank]
         flat[own_start:own_end].copy_(_host(tensor).reshape(-1))
-        with recorder.span("allgather", entry.request.name, bytes=flat.numel() * flat.element_size(),
-                           size=self.transport.world.size):
-            ring_allgather(flat, bounds, self.transport, rank)
+        nbytes, size = flat.numel() * flat.element_size(), self.transport.world.size
+        if self._shared_memory is not None:
+            with recorder.span("shared_memory", entry.request.name, op="allgather", bytes=nbytes, size=size):
+                self._shared_memory.allgather([flat[start:end] for start, end in bounds])
+        else:
+            with recorder.span("allgather", entry.request.name, bytes=nbytes, size=size):
+                ring_allgather(flat, bounds, self.transport, rank)
         entry.output = output.to(tensor.device) if tensor.device.type != "cpu" else output
 
     def _broadcast(self, entry: Entry) -> None:
@@ -135,11 +152,20 @@ class CollectiveRunner:
         if entry.output is not entry.tensor and self.transport.world.rank == entry.request.root:
             output.copy_(entry.tensor)
         staged = output if _is_host_contiguous(output) else _host(output).contiguous()
-        with recorder.span("broadcast", entry.request.name,
-                           bytes=staged.numel() * staged.element_size()):
-            ring_broadcast(staged.view(-1), self.transport, entry.request.root)
+        nbytes, root = staged.numel() * staged.element_size(), entry.request.root
+        if self._shared_memory is not None:
+            with recorder.span("shared_memory", entry.request.name, op="broadcast", bytes=nbytes):
+                self._shared_memory.broadcast(staged.view(-1), root)
+        else:
+            with recorder.span("broadcast", entry.request.name, bytes=nbytes):
+                ring_broadcast(staged.view(-1), self.transport, root)
         if staged is not output:
             output.copy_(staged)
+
+    def close(self) -> None:
+        self.transport.close()
+        if self.host_group is not None:
+            self.host_group.close()
 
     def _fusion_buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         buffer = self._fusion.get((dtype, device))

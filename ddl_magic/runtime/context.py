@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .errors import NotInitializedError
 from .op_queue import OpQueue
+from .shared_memory import connect_host_group, transport_choice
 from .transport import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
@@ -37,6 +38,7 @@ class Settings:
     cycle_time_s: float
     stall_time_s: float
     timeout_s: float
+    transport: str  # DDL_MAGIC_TRANSPORT: auto, tcp or shm
 
     @classmethod
     def from_environment(cls) -> "Settings":
@@ -54,6 +56,7 @@ class Settings:
             cycle_time_s=number(("HOROVOD_CYCLE_TIME",), 1.0) / 1000.0,
             stall_time_s=number(("HOROVOD_STALL_CHECK_TIME_SECONDS",), 60.0),
             timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
+            transport=transport_choice(),
         )
 
 
@@ -61,6 +64,7 @@ class Settings:
 class Runtime:
     world: World
     queue: OpQueue
+    transport: str  # how data moves between ranks: "none", "tcp" or "shm"
 
 
 bootstrap: RankBootstrap | None = None
@@ -75,6 +79,7 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         settings = Settings.from_environment()
+        host_group = None
         if bootstrap is None:
             world = single_process_world()
             transport = RingTransport(world, None, None, {}, settings.timeout_s)
@@ -82,11 +87,19 @@ def init() -> Runtime:
             world = derive_world(bootstrap.rank, bootstrap.peers)
             transport = connect_ring(world, bootstrap.listener, bootstrap.secret,
                                      timeout=settings.timeout_s, op_timeout=settings.timeout_s)
+            try:
+                host_group = connect_host_group(world, transport.coordination, settings.transport,
+                                                settings.timeout_s)
+            except BaseException:
+                transport.close()
+                raise
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
-        queue = OpQueue(transport, settings.fusion_threshold, settings.cycle_time_s,
+        queue = OpQueue(transport, host_group, settings.fusion_threshold, settings.cycle_time_s,
                         settings.stall_time_s)
-        _runtime = Runtime(world, queue)
+        whole_world_shares_memory = host_group is not None and host_group.size == world.size
+        moves_by = "none" if world.size == 1 else "shm" if whole_world_shares_memory else "tcp"
+        _runtime = Runtime(world, queue, moves_by)
         return _runtime
 
 

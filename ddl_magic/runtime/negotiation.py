@@ -20,6 +20,10 @@ and ranks resubmit an unchanged request as that small integer.
 Rank 0 waits up to the cycle time after the first ready tensor so that more can join the
 same fused buffer, except when some rank is already blocked waiting for a ready tensor: then
 waiting would only add latency.
+
+The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone (`op_queue_tcp.py`); when
+every rank shares one host, every rank runs a replica of it, fed the same requests in the
+same order, and each takes its decisions itself (`op_queue_shm.py`).
 """
 
 from __future__ import annotations
@@ -171,13 +175,17 @@ class Coordinator:
             deadlines.append(next(iter(self._waiting_since.values())) + self.stall_time_s)
         return min(deadlines) if deadlines else None
 
-    def take_cycle(self, now: float) -> Cycle | None:
-        """The responses to run now, or None to keep collecting (cycle window still open)."""
+    def take_cycle(self, now: float, flush: bool = False) -> Cycle | None:
+        """The responses to run now, or None to keep collecting (cycle window still open).
+
+        `flush` runs whatever is ready at once: ranks in lockstep batch by cycle instead.
+        """
         if not self._ready:
             return None
         ready_bytes = sum(_any(self._submitted[name]).nbytes for name in self._ready)
         flush = (
-            any(name in self._waited for name in self._ready)
+            flush
+            or any(name in self._waited for name in self._ready)
             or now - self._ready_since >= self.cycle_time_s
             or ready_bytes >= self.fusion_threshold
         )

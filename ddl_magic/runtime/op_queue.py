@@ -25,6 +25,7 @@ from ..protocol import PeerClosedError
 from .collectives import CollectiveRunner, Entry
 from .errors import CollectiveMismatchError, HorovodInternalError, PeerLostError
 from .negotiation import Coordinator, Cycle, Request, RequestCache, Response
+from .shared_memory import HostGroup
 from .timeline import recorder
 from .transport import RingTransport
 
@@ -65,11 +66,11 @@ class Handle:
 class OpQueue:
     """Accepts requests from any thread; negotiates and executes them on a background thread."""
 
-    def __init__(self, transport: RingTransport, fusion_threshold: int, cycle_time_s: float,
-                 stall_time_s: float):
+    def __init__(self, transport: RingTransport, host_group: HostGroup | None,
+                 fusion_threshold: int, cycle_time_s: float, stall_time_s: float):
         self.transport = transport
         self.world = transport.world
-        self._runner = CollectiveRunner(transport)
+        self._runner = CollectiveRunner(transport, host_group)
         self._lock = threading.Lock()
         self._incoming: collections.deque = collections.deque()  # Entry, or a waited-on name
         self._woken = False
@@ -121,7 +122,7 @@ class OpQueue:
             self._closing = True
         self._wake()
         self._thread.join(timeout=self.transport.op_timeout)
-        self.transport.close()
+        self._runner.close()
         self._wake_receiver.close()
         self._wake_sender.close()
 

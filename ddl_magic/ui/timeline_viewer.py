@@ -54,6 +54,7 @@ _OUR_LANE_CATEGORIES = {
     "scatter_reduce": "communicate",
     "allgather": "communicate",
     "broadcast": "communicate",
+    "shared_memory": "communicate",
     "wait": "wait",
     "queue": "wait",
 }

@@ -1,0 +1,121 @@
+"""The shared-memory transport between ranks on one host: failures are loud, nothing is left.
+
+The collectives' values over shared memory are checked in `test_collectives.py` (every dtype,
+odd sizes, np 1 to 4, against the TCP ring's); here, what happens around them: a rank killed
+in the middle of a shared-memory allreduce, the choice of transport, and the segments' life.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.launch.local import LocalLauncher
+from ddl_magic.runtime import shared_memory
+from ddl_magic.runtime.errors import PeerLostError
+from ddl_magic.runtime.world import Peer, World
+from ddl_magic.tasks import FunctionTask
+
+from ranks import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not shared_memory.supported(), reason="needs x86-64 Linux")
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def allreduce_until_rank_1_kills_itself():
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    tensor = torch.ones(1 << 20)  # 4 MiB: the reduce-scatter path, two phases per call
+    for step in range(1000):
+        if hvd.rank() == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)  # rank 0 is in step 5's allreduce, or about to be
+        hvd.allreduce(tensor, name="grad")
+    return "finished"
+
+
+def test_a_rank_killed_during_a_shared_memory_allreduce_fails_the_run_and_leaves_nothing():
+    before = shm_entries()
+    job = Job(FunctionTask(allreduce_until_rank_1_kills_itself, {}), 2, LocalLauncher(),
+              JobOptions(timeout_s=60, hide_output=True, env={"DDL_MAGIC_TRANSPORT": "shm"}))
+    with pytest.raises(RankFailedError) as failure:
+        job.run()
+    assert failure.value.rank == 1 and "SIGKILL" in str(failure.value)
+    record = failure.value.run
+    pids = [rank.pid for rank in record.ranks]
+    assert all(pids) and not [pid for pid in pids if process_exists(pid)]
+    assert shm_entries() == before
+
+
+def test_transport_choice_is_honoured_and_a_wrong_one_is_refused_before_launch():
+    def transport():
+        import ddl_magic.torch as hvd
+        from ddl_magic.runtime import context
+
+        hvd.init()
+        return context.current("transport").transport
+
+    assert run_on_ranks(transport, 2) == ["shm", "shm"]  # auto, all on one host
+    assert run_on_ranks(transport, 2, env={"DDL_MAGIC_TRANSPORT": "tcp"}) == ["tcp", "tcp"]
+    with pytest.raises(ValueError, match="DDL_MAGIC_TRANSPORT='infiniband' is not one of auto, tcp, shm"):
+        run_on_ranks(transport, 2, env={"DDL_MAGIC_TRANSPORT": "infiniband"})
+
+
+# ---- the runtime on its own: no driver to stop anyone --------------------------------------
+
+def _wait_to_be_killed(offers, ready) -> None:
+    own = shared_memory.Segment.create()
+    offers.put((os.getpid(), own.fd))
+    ready.wait()  # killed here, by the test
+
+
+def test_a_neighbour_that_dies_becomes_peer_lost_within_a_sleep_slice_not_the_timeout():
+    context = multiprocessing.get_context("fork")
+    offers, ready = context.Queue(), context.Event()
+    neighbour = context.Process(target=_wait_to_be_killed, args=(offers, ready), daemon=True)
+    neighbour.start()
+    try:
+        pid, fd = offers.get(timeout=30)
+        own = shared_memory.Segment.create()
+        peers = (Peer(0, "host", ("127.0.0.1", 1)), Peer(1, "host", ("127.0.0.1", 2)))
+        world = World(rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
+                      peers=peers)
+        other = shared_memory.Neighbour(1, shared_memory.Segment.open(pid, fd), os.pidfd_open(pid))
+        group = shared_memory.HostGroup(world, [0, 1], own, {1: other}, op_timeout=600)
+        outcome: list[BaseException | None] = []
+
+        def reduce_alone():
+            try:
+                group.allreduce(torch.ones(1000), "sum")
+                outcome.append(None)
+            except BaseException as exc:  # recorded for the assertion below
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=reduce_alone, daemon=True)
+        waiter.start()
+        os.kill(pid, signal.SIGKILL)
+        waiter.join(timeout=30)  # far below op_timeout: only the pidfd can end the wait this soon
+        assert not waiter.is_alive(), "the wait did not notice the neighbour's death"
+        assert isinstance(outcome[0], PeerLostError)
+        assert "rank 1 on host" in str(outcome[0]) and "process ended" in str(outcome[0])
+        group.close()
+    finally:
+        neighbour.kill()
+        neighbour.join(timeout=10)
