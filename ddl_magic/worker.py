@@ -34,6 +34,7 @@ from .runtime.timeline import recorder
 from .runtime.world import Peer
 
 CONNECT_TIMEOUT_S = 30.0
+TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,7 +69,7 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
     advertised_ip = channel.sock.getsockname()[0]  # the address the driver reached us from
     listener.bind((advertised_ip, 0))
     listener.listen(64)
-    channel.send(("register", rank, socket.gethostname(), listener.getsockname(), os.getpid()))
+    channel.send(("register", rank, _host_name(rank), listener.getsockname(), os.getpid()))
     message = channel.recv()
     if message[0] == "abort":
         return 1
@@ -87,6 +88,16 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
     channel.send(report)
     channel.close()
     return exit_code
+
+
+def _host_name(rank: int) -> str:
+    """The host this rank registers as: the rendezvous groups ranks into hosts by it.
+
+    `DDL_MAGIC_TEST_HOSTS` ("a,a,b,b": the host of each rank) exists for tests only: it makes
+    one machine look like several hosts, so mixed placements run without a cluster.
+    """
+    simulated = os.environ.get(TEST_HOSTS_VARIABLE)
+    return simulated.split(",")[rank].strip() if simulated else socket.gethostname()
 
 
 def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tuple]:

@@ -1,9 +1,10 @@
 """Every collective's values against a locally computed expectation, on 1 to 4 real ranks,
-over each transport: shared memory (the default between ranks on one host) and the TCP ring.
+over each transport: shared memory (the default between ranks on one host), the TCP ring, and
+both at once when the ranks look like several hosts (`DDL_MAGIC_TEST_HOSTS`, the host of each
+rank): hierarchical allreduce on 2 hosts x 2 ranks, the flat ring on uneven hosts.
 
-Each (world size, transport) is launched once (processes are the expensive part); every rank
-runs all the checks below and reports which failed, so each check still passes or fails on
-its own.
+Each setup is launched once (processes are the expensive part); every rank runs all the
+checks below and reports which failed, so each check still passes or fails on its own.
 """
 
 import os
@@ -169,15 +170,20 @@ def check_large_buffers(hvd):
 def check_transport(hvd):
     from ddl_magic.runtime import context
 
-    expected = "none" if hvd.size() == 1 else os.environ["DDL_MAGIC_TRANSPORT"]
+    expected = os.environ["EXPECTED_TRANSPORT"]
     actual = context.current("check_transport").transport
     return [] if actual == expected else [f"moved data by {actual}, expected {expected}"]
 
 
 def check_topology(hvd):
-    expected = (hvd.rank(), hvd.size(), hvd.size(), 0, 1)
+    hosts = os.environ.get("DDL_MAGIC_TEST_HOSTS", ",".join(["here"] * hvd.size())).split(",")
+    mine = hosts[hvd.rank()]
+    local_rank = [r for r, host in enumerate(hosts) if host == mine].index(hvd.rank())
+    with_local_rank = [host for host in dict.fromkeys(hosts) if hosts.count(host) > local_rank]
+    expected = (local_rank, hosts.count(mine), hvd.size(), with_local_rank.index(mine),
+                len(with_local_rank))
     actual = (hvd.local_rank(), hvd.local_size(), hvd.size(), hvd.cross_rank(), hvd.cross_size())
-    return [] if actual == expected else [f"topology {actual}"]
+    return [] if actual == expected else [f"topology {actual}, expected {expected}"]
 
 
 CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
@@ -196,25 +202,35 @@ def run_all_checks():
     return report
 
 
+# (np, DDL_MAGIC_TRANSPORT, the host of each rank or None for this one, the transport expected)
+SETUPS = [(1, "shm", None, "none"), (2, "shm", None, "shm"), (3, "shm", None, "shm"),
+          (4, "shm", None, "shm"), (2, "tcp", None, "tcp"), (3, "tcp", None, "tcp"),
+          (4, "tcp", None, "tcp"),
+          (4, "auto", "a,b,a,b", "shm+tcp"),  # Spark's placement: hierarchical, ring by host
+          (3, "auto", "a,b,a", "tcp")]  # uneven hosts: the flat ring, ordered by host
+
+
 @pytest.fixture(scope="module")
 def reports():
     cache = {}
 
-    def for_run(np, transport):
-        if (np, transport) not in cache:
-            cache[np, transport] = run_on_ranks(run_all_checks, np, timeout_s=240,
-                                                env={"DDL_MAGIC_TRANSPORT": transport})
-        return cache[np, transport]
+    def for_setup(np, transport, hosts, expected):
+        if (np, transport, hosts) not in cache:
+            with pytest.MonkeyPatch.context() as patch:
+                if hosts:  # read by each rank as it registers, from the environment it inherits
+                    patch.setenv("DDL_MAGIC_TEST_HOSTS", hosts)
+                env = {"DDL_MAGIC_TRANSPORT": transport, "EXPECTED_TRANSPORT": expected}
+                cache[np, transport, hosts] = run_on_ranks(run_all_checks, np, timeout_s=240, env=env)
+        return cache[np, transport, hosts]
 
-    return for_run
+    return for_setup
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-@pytest.mark.parametrize("np, transport", [(1, "shm"), (2, "shm"), (3, "shm"), (4, "shm"),
-                                           (2, "tcp"), (3, "tcp"), (4, "tcp")])
-def test_collective(reports, np, transport, check):
-    failures = {rank: report[check] for rank, report in enumerate(reports(np, transport))
-                if report[check]}
+@pytest.mark.parametrize("np, transport, hosts, expected", SETUPS)
+def test_collective(reports, np, transport, hosts, expected, check):
+    failures = {rank: report[check] for rank, report in
+                enumerate(reports(np, transport, hosts, expected)) if report[check]}
     assert failures == {}
 
 

@@ -3,8 +3,14 @@
 The op queue hands each `Response` here together with this rank's entries for its names.
 Everything around the data movement lives here — packing many tensors into one fusion
 buffer, the prescale and postscale factors, staging CUDA tensors through host memory, and
-choosing the transport: shared memory when every rank is on this host (`shared_memory.py`),
-else the TCP ring (`ring.py`) — so the algorithms stay plain.
+choosing how the data moves — so the algorithms stay plain:
+
+- every rank on this host: shared memory (`shared_memory.py`);
+- several hosts with the same number of ranks each: hierarchical allreduce, Horovod's
+  HOROVOD_HIERARCHICAL_ALLREDUCE (reduce-scatter within the host through shared memory, ring
+  allreduce of each rank's part across hosts, allgather within the host: only 1/local_size
+  of the bytes cross between hosts); allgather and broadcast use the ring;
+- otherwise the TCP ring (`ring.py`), ordered host by host.
 """
 
 from __future__ import annotations
@@ -46,11 +52,14 @@ class CollectiveRunner:
     otherwise through the TCP ring.
     """
 
-    def __init__(self, transport: RingTransport, host_group: HostGroup | None = None):
+    def __init__(self, transport: RingTransport, host_group: HostGroup | None = None,
+                 cross: RingTransport | None = None):
         self.transport = transport
         self.host_group = host_group
+        self.cross = cross
         whole_world = host_group is not None and host_group.size == transport.world.size
         self._shared_memory = host_group if whole_world else None
+        self._hierarchical = host_group is not None and cross is not None and not whole_world
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
@@ -110,9 +119,20 @@ class CollectiveRunner:
         if self._shared_memory is not None:
             with labels.span("shared_memory", op="allreduce", size=self.transport.world.size):
                 self._shared_memory.allreduce(buffer, op.kernel_name)
-            return
-        observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
-        ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype), observer)
+        elif self._hierarchical:
+            observer = _TimelineObserver(labels, self.cross) if recorder.enabled else UNOBSERVED
+            scratch = self._scratch_for(buffer.dtype)
+
+            def across_hosts(part: torch.Tensor) -> None:
+                ring_allreduce(part, self.cross, _reducer(op), scratch, observer)
+
+            with labels.span("shared_memory", op="hierarchical allreduce",
+                             size=self.transport.world.size):
+                self.host_group.allreduce(buffer, op.kernel_name, across_hosts)
+        else:
+            observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
+            ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype),
+                           observer)
 
     def _staged_on_host(self, device_buffer: torch.Tensor) -> torch.Tensor:
         """A pinned host copy of `device_buffer`, reusing one pinned buffer per dtype."""
@@ -143,8 +163,9 @@ class CollectiveRunner:
             with recorder.span("shared_memory", entry.request.name, op="allgather", bytes=nbytes, size=size):
                 self._shared_memory.allgather([flat[start:end] for start, end in bounds])
         else:
+            in_ring_order = [bounds[member] for member in self.transport.members]
             with recorder.span("allgather", entry.request.name, bytes=nbytes, size=size):
-                ring_allgather(flat, bounds, self.transport, rank)
+                ring_allgather(flat, in_ring_order, self.transport, self.transport.position)
         entry.output = output.to(tensor.device) if tensor.device.type != "cpu" else output
 
     def _broadcast(self, entry: Entry) -> None:
@@ -158,12 +179,14 @@ class CollectiveRunner:
                 self._shared_memory.broadcast(staged.view(-1), root)
         else:
             with recorder.span("broadcast", entry.request.name, bytes=nbytes):
-                ring_broadcast(staged.view(-1), self.transport, root)
+                ring_broadcast(staged.view(-1), self.transport, self.transport.members.index(root))
         if staged is not output:
             output.copy_(staged)
 
     def close(self) -> None:
         self.transport.close()
+        if self.cross is not None:
+            self.cross.close()
         if self.host_group is not None:
             self.host_group.close()
 

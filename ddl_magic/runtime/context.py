@@ -14,7 +14,10 @@ import threading
 from dataclasses import dataclass
 
 from .errors import NotInitializedError
+from .collectives import CollectiveRunner
 from .op_queue import OpQueue
+from .op_queue_shm import SharedMemoryOpQueue
+from .op_queue_tcp import TcpOpQueue
 from .shared_memory import connect_host_group, transport_choice
 from .transport import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
@@ -39,6 +42,7 @@ class Settings:
     stall_time_s: float
     timeout_s: float
     transport: str  # DDL_MAGIC_TRANSPORT: auto, tcp or shm
+    hierarchical: bool  # HOROVOD_HIERARCHICAL_ALLREDUCE, on unless set to 0
 
     @classmethod
     def from_environment(cls) -> "Settings":
@@ -57,6 +61,8 @@ class Settings:
             stall_time_s=number(("HOROVOD_STALL_CHECK_TIME_SECONDS",), 60.0),
             timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
             transport=transport_choice(),
+            hierarchical=os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
+            not in ("0", "false", "no", "off"),
         )
 
 
@@ -64,7 +70,7 @@ class Settings:
 class Runtime:
     world: World
     queue: OpQueue
-    transport: str  # how data moves between ranks: "none", "tcp" or "shm"
+    transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical)
 
 
 bootstrap: RankBootstrap | None = None
@@ -79,26 +85,42 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         settings = Settings.from_environment()
-        host_group = None
+        host_group = cross = None
         if bootstrap is None:
             world = single_process_world()
-            transport = RingTransport(world, None, None, {}, settings.timeout_s)
+            transport = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
-            transport = connect_ring(world, bootstrap.listener, bootstrap.secret,
-                                     timeout=settings.timeout_s, op_timeout=settings.timeout_s)
+            hierarchical = (settings.hierarchical and settings.transport != "tcp"
+                            and world.uniform_hosts)
+            transport, cross = connect_ring(world, bootstrap.listener, bootstrap.secret,
+                                            timeout=settings.timeout_s,
+                                            op_timeout=settings.timeout_s, cross=hierarchical)
             try:
-                host_group = connect_host_group(world, transport.coordination, settings.transport,
-                                                settings.timeout_s)
+                if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
+                    host_group = connect_host_group(world, transport.coordination,
+                                                    settings.transport, settings.timeout_s)
             except BaseException:
                 transport.close()
+                if cross is not None:
+                    cross.close()
                 raise
+            if host_group is None and cross is not None:  # no shared memory: the flat ring
+                cross.close()
+                cross = None
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
-        queue = OpQueue(transport, host_group, settings.fusion_threshold, settings.cycle_time_s,
-                        settings.stall_time_s)
+        runner = CollectiveRunner(transport, host_group, cross)
         whole_world_shares_memory = host_group is not None and host_group.size == world.size
-        moves_by = "none" if world.size == 1 else "shm" if whole_world_shares_memory else "tcp"
+        if whole_world_shares_memory:
+            queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
+                                                 settings.cycle_time_s, settings.stall_time_s,
+                                                 settings.timeout_s)
+        else:
+            queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
+                               settings.cycle_time_s, settings.stall_time_s)
+        moves_by = ("none" if world.size == 1 else "shm" if whole_world_shares_memory
+                    else "shm+tcp" if cross is not None else "tcp")
         _runtime = Runtime(world, queue, moves_by)
         return _runtime
 

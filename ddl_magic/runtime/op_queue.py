@@ -1,33 +1,33 @@
-"""The background thread between the user's code and the ring.
+"""Between the user's code and the transports: submitted collectives, their handles, and
+running what the ranks agreed on.
 
 The user's thread only appends an `Entry` and gets a `Handle` back (`allreduce_async`).
-One background thread per rank forwards new requests to rank 0, receives the agreed cycle
-of responses (see `negotiation.py`) and runs them with the `CollectiveRunner`, completing
-handles as it goes. Rank 0's background thread additionally runs the `Coordinator`.
+How the ranks then agree on which collectives run, in which order (see `negotiation.py`),
+depends on where they are:
 
-The thread sleeps in `select` on its sockets and a wake-up socket, so it costs nothing
-while idle and reacts immediately when a request arrives.
+- `op_queue_shm.SharedMemoryOpQueue`: every rank on one host. Each rank decides for itself,
+  from every rank's requests exchanged through shared memory, on whichever thread needs it;
+- `op_queue_tcp.TcpOpQueue`: anywhere else. A background thread per rank forwards requests
+  to rank 0, which decides and sends every rank the same cycle of responses.
+
+Either way `OpQueue._execute` runs each agreed response with the `CollectiveRunner` and
+completes the handles.
 """
 
 from __future__ import annotations
 
 import _thread
 import collections
-import select
-import socket
-import sys
 import threading
 import time
 
 import torch
 
-from ..protocol import PeerClosedError
 from .collectives import CollectiveRunner, Entry
-from .errors import CollectiveMismatchError, HorovodInternalError, PeerLostError
-from .negotiation import Coordinator, Cycle, Request, RequestCache, Response
-from .shared_memory import HostGroup
+from .errors import CollectiveMismatchError, HorovodInternalError
+from .negotiation import Cycle, Request, RequestCache, Response
 from .timeline import recorder
-from .transport import RingTransport
+from .world import World
 
 
 class Handle:
@@ -50,9 +50,7 @@ class Handle:
 
     def wait(self) -> torch.Tensor:
         if self._pending.locked():
-            self._queue.note_waiting(self.name)
-            with self._pending:
-                pass
+            self._queue.wait_for(self)
         if self._error is not None:
             # Raised afresh here: the background thread's frames would only confuse the user.
             raise self._error.with_traceback(None)
@@ -64,32 +62,31 @@ class Handle:
 
 
 class OpQueue:
-    """Accepts requests from any thread; negotiates and executes them on a background thread."""
+    """Accepts requests from any thread; a subclass negotiates them, `_execute` runs them.
 
-    def __init__(self, transport: RingTransport, host_group: HostGroup | None,
-                 fusion_threshold: int, cycle_time_s: float, stall_time_s: float):
-        self.transport = transport
-        self.world = transport.world
-        self._runner = CollectiveRunner(transport, host_group)
+    `_lock` guards what the user's threads and the negotiating thread share: `_incoming`,
+    `_failure`, `_closing`. `_pending` (submitted, not yet executed) and the request cache
+    belong to whichever thread negotiates, one at a time.
+    """
+
+    def __init__(self, runner: CollectiveRunner, world: World):
+        self.world = world
+        self._runner = runner
         self._lock = threading.Lock()
         self._incoming: collections.deque = collections.deque()  # Entry, or a waited-on name
-        self._woken = False
-        self._wake_receiver, self._wake_sender = socket.socketpair()
-        self._pending: dict[str, Entry] = {}  # submitted, not yet executed (background thread only)
+        self._pending: dict[str, Entry] = {}
         self._cache = RequestCache()
         self._failure: BaseException | None = None
         self._closing = False
-        self._coordinator = (
-            Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
-            if self.world.rank == 0 else None
-        )
         self._thread = threading.Thread(target=self._run, name="ddl-op-queue", daemon=True)
-        self._thread.start()
 
     # ---- the user's side --------------------------------------------------------------
 
     def submit(self, request: Request, tensor: torch.Tensor | None,
-               output: torch.Tensor | None) -> Handle:
+               output: torch.Tensor | None, wait_follows: bool = False) -> Handle:
+        """Queue one collective. `wait_follows` says the caller will wait for it at once (as
+        `optimizer.step()` does for the last gradients): then nothing needs to be woken up to
+        start it early, which spares a thread switch per step."""
         handle = Handle(request.name, self)
         if self.world.size == 1:
             return self._run_alone(Entry(request, tensor, output, handle))
@@ -97,7 +94,10 @@ class OpQueue:
             if self._failure is not None:
                 raise self._failure
             self._incoming.append(Entry(request, tensor, output, handle))
-        self._wake()
+            self._queued_locked()
+            wake = not wait_follows and self._wake_needed_locked()
+        if wake:
+            self._wake()
         return handle
 
     def _run_alone(self, entry: Entry) -> Handle:
@@ -110,114 +110,47 @@ class OpQueue:
         entry.handle._complete(output=entry.output)
         return entry.handle
 
-    def note_waiting(self, name: str) -> None:
-        """The user's thread is about to block on `name`: tell rank 0 not to hold it back."""
-        with self._lock:
-            self._incoming.append(name)
-        self._wake()
+    def wait_for(self, handle: Handle) -> None:
+        """Return once `handle` has completed (successfully or not)."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        """Stop the background thread (after the cycle it is running) and close the sockets."""
-        with self._lock:
-            self._closing = True
-        self._wake()
-        self._thread.join(timeout=self.transport.op_timeout)
-        self._runner.close()
-        self._wake_receiver.close()
-        self._wake_sender.close()
+        """Stop negotiating (after the cycle in progress) and release the transports."""
+        raise NotImplementedError
+
+    # ---- what subclasses build on ------------------------------------------------------------
+
+    def _queued_locked(self) -> None:
+        """Called with `_lock` held after an entry was queued."""
+
+    def _wake_needed_locked(self) -> bool:
+        """Called with `_lock` held: must `_wake` be called for what was just queued?"""
+        return True
+
+    def _taken_locked(self) -> None:
+        """Called with `_lock` held when the negotiating thread takes what was queued."""
 
     def _wake(self) -> None:
-        with self._lock:
-            if self._woken:
-                return  # one byte in the socket is enough to wake the thread
-            self._woken = True
-        self._wake_sender.send(b"\0")
-
-    # ---- the background thread ----------------------------------------------------------
+        """Make sure the negotiating side will look at what was just queued."""
 
     def _run(self) -> None:
         try:
-            if self._coordinator is not None:
-                self._coordinate()
-            else:
-                self._follow()
+            self._negotiate()
         except BaseException as exc:  # every pending handle must learn why, or it would hang
             self._fail(exc if isinstance(exc, HorovodInternalError)
                        else HorovodInternalError(f"ddl_magic background thread failed: {exc!r}"))
 
-    def _follow(self) -> None:
-        """Ranks other than 0: forward requests to rank 0, run the cycles it sends back."""
-        channel = self.transport.coordination[0]
-        while True:
-            readable, _, _ = select.select([self._wake_receiver, channel.sock], [], [])
-            if self._wake_receiver in readable:
-                entries, waited, closing = self._take_incoming()
-                if entries or waited:
-                    channel.send(("submit", [self._cache.encode(e.request) for e in entries], waited))
-                if closing:
-                    channel.send(("bye",))
-                    return
-            if channel.sock in readable:
-                message = self._recv(channel, 0)
-                if message[0] == "abort":
-                    raise HorovodInternalError(message[1])
-                self._cache.update(message[1].cache_updates)
-                self._execute(message[1])
-
-    def _coordinate(self) -> None:
-        """Rank 0: collect every rank's requests, decide cycles, send them out and run them."""
-        followers = dict(self.transport.coordination)  # rank -> channel
-        try:
-            self._coordinate_followers(followers)
-        except BaseException as exc:  # every rank must learn why, or its handles would wait forever
-            reason = str(exc) if isinstance(exc, HorovodInternalError) else f"rank 0: {exc}"
-            for channel in followers.values():
-                try:
-                    channel.send(("abort", reason))
-                except OSError:
-                    pass
-            raise
-
-    def _coordinate_followers(self, followers: dict) -> None:
-        coordinator = self._coordinator
-        by_socket = {channel.sock: rank for rank, channel in followers.items()}
-        while True:
-            deadline = coordinator.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self._wake_receiver, *by_socket], [], [], timeout)
-            now = time.monotonic()
-            for sock in readable:
-                if sock is self._wake_receiver:
-                    entries, waited, closing = self._take_incoming()
-                    coordinator.submit(0, [e.request for e in entries], now)
-                    coordinator.note_waited(waited)
-                    if closing:
-                        for channel in followers.values():
-                            channel.send(("abort", "rank 0 has shut down"))
-                        return
-                    continue
-                rank = by_socket[sock]
-                message = self._recv(followers[rank], rank)
-                if message[0] == "bye":
-                    raise PeerLostError(rank, self.world.peers[rank].host, "it has shut down")
-                _, requests, waited = message
-                coordinator.submit(rank, requests, now)
-                coordinator.note_waited(waited)
-            for warning in coordinator.stall_warnings(now):
-                print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
-            cycle = coordinator.take_cycle(now)
-            if cycle is not None:
-                for channel in followers.values():
-                    channel.send(("cycle", cycle))
-                self._execute(cycle)
+    def _negotiate(self) -> None:
+        """The background thread's loop."""
+        raise NotImplementedError
 
     def _take_incoming(self) -> tuple[list[Entry], list[str], bool]:
-        self._wake_receiver.recv(4096)
+        """What was submitted (and waited on) since the last call, and whether we are closing."""
         with self._lock:
-            self._woken = False
             items = list(self._incoming)
             self._incoming.clear()
             closing = self._closing
+            self._taken_locked()
         entries = []
         for entry in (item for item in items if isinstance(item, Entry)):
             name = entry.request.name
@@ -230,12 +163,6 @@ class OpQueue:
             entries.append(entry)
         waited = [item for item in items if isinstance(item, str) and item in self._pending]
         return entries, waited, closing
-
-    def _recv(self, channel, rank: int):
-        try:
-            return channel.recv()
-        except (OSError, PeerClosedError, EOFError) as exc:
-            raise PeerLostError(rank, self.world.peers[rank].host, "connection lost") from exc
 
     def _execute(self, cycle: Cycle) -> None:
         for response in cycle.responses:
@@ -259,7 +186,8 @@ class OpQueue:
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
-            self._failure = error
+            if self._failure is None:
+                self._failure = error
             leftover = [item for item in self._incoming if isinstance(item, Entry)]
             self._incoming.clear()
         for entry in [*self._pending.values(), *leftover]:

@@ -2,7 +2,8 @@
 
 This is the algorithm of Baidu's ring-allreduce (the code Horovod grew from), on N ranks
 arranged in a ring, each sending only to its right neighbour and receiving only from its
-left one::
+left one (rank r below is the r-th rank around the ring, `transport.position`: the transport
+orders a ring host by host)::
 
         rank 0 ──► rank 1 ──► rank 2
           ▲                      │
@@ -86,20 +87,20 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 def ring_allreduce(buffer: torch.Tensor, transport: RingTransport, reduce: Reduce,
                    scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
     """Reduce the 1-D `buffer` across all ranks, in place; `scratch` holds one received segment."""
-    size = transport.world.size
+    size = transport.size
     if size == 1 or buffer.numel() == 0:
         return
     bounds = chunk_bounds(buffer.numel(), size)
     with observer.phase("scatter_reduce"):
         scatter_reduce(buffer, bounds, transport, reduce, scratch, observer)
     with observer.phase("allgather"):
-        ring_allgather(buffer, bounds, transport, transport.world.rank + 1, observer)
+        ring_allgather(buffer, bounds, transport, transport.position + 1, observer)
 
 
 def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transport: RingTransport,
                    reduce: Reduce, scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
     """After this, rank r holds the reduction over all ranks of chunk (r + 1) of `buffer`."""
-    rank, size = transport.world.rank, transport.world.size
+    rank, size = transport.position, transport.size
     segment = max(1, SEGMENT_BYTES // buffer.element_size())
     for step in range(size - 1):
         started_ns = time.monotonic_ns()
@@ -125,7 +126,7 @@ def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
     plain allgather of per-rank blocks. At step i it sends chunk (owned - i), which it
     completed at the previous step, and receives chunk (owned - i - 1).
     """
-    size = transport.world.size
+    size = transport.size
     for step in range(size - 1):
         started_ns = time.monotonic_ns()
         send_chunk = (owned - step) % size
@@ -138,12 +139,13 @@ def ring_allgather(buffer: torch.Tensor, bounds: list[tuple[int, int]], transpor
 
 
 def ring_broadcast(buffer: torch.Tensor, transport: RingTransport, root: int) -> None:
-    """Copy `root`'s 1-D `buffer` to every rank, pipelined segment by segment along the ring.
+    """Copy the 1-D `buffer` of the rank at position `root` to every rank, pipelined segment
+    by segment along the ring.
 
     Each rank forwards a segment to its right neighbour as soon as it has received it, so
     the time is one pass of the data plus (N - 1) segments, not (N - 1) passes.
     """
-    rank, size = transport.world.rank, transport.world.size
+    rank, size = transport.position, transport.size
     if size == 1 or buffer.numel() == 0:
         return
     forwards = (rank + 1) % size != root

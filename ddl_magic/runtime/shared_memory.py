@@ -55,6 +55,7 @@ import select
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -174,13 +175,19 @@ class HostGroup:
 
     # ---- collectives -----------------------------------------------------------------------
 
-    def allreduce(self, buffer: torch.Tensor, op: str) -> None:
-        """Reduce the 1-D host tensor `buffer` over the host's ranks, in place (`op`: kernels' name)."""
+    def allreduce(self, buffer: torch.Tensor, op: str,
+                  across_hosts: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Reduce the 1-D host tensor `buffer` over the host's ranks, in place (`op`: kernels' name).
+
+        Hierarchical allreduce: with `across_hosts`, each rank hands its part of the host's
+        reduction to it (which reduces it with the same part on the other hosts, in place)
+        before the parts are gathered, so the result is reduced over every rank of the run.
+        """
         for piece in self._pieces(buffer):
-            if piece.numel() * piece.element_size() <= SMALL_BYTES:
+            if across_hosts is None and piece.numel() * piece.element_size() <= SMALL_BYTES:
                 self._reduce_everywhere(piece, op)
             else:
-                self._reduce_scatter_allgather(piece, op)
+                self._reduce_scatter_allgather(piece, op, across_hosts)
 
     def allgather(self, blocks: list[torch.Tensor]) -> None:
         """`blocks[i]` is local rank i's 1-D block (this rank's filled in): fill in the others."""
@@ -263,7 +270,8 @@ class HostGroup:
         for segment in self.segments[1:]:
             kernels.reduce_(piece, segment.view(buffer, dtype, numel), op)
 
-    def _reduce_scatter_allgather(self, piece: torch.Tensor, op: str) -> None:
+    def _reduce_scatter_allgather(self, piece: torch.Tensor, op: str,
+                                  across_hosts: Callable[[torch.Tensor], None] | None) -> None:
         """Two phases: each rank reduces its part into its own buffer, then all copy all parts."""
         buffer = self._next_buffer()
         numel, dtype = piece.numel(), piece.dtype
@@ -276,6 +284,8 @@ class HostGroup:
         for index, segment in enumerate(self.segments):
             if index != self.index:
                 kernels.reduce_(reduced, segment.view(buffer, dtype, numel)[start:end], op)
+        if across_hosts is not None:
+            across_hosts(reduced)  # the neighbours wait in the next phase meanwhile
         self._publish_and_wait()
         for index, (start, end) in enumerate(parts):
             piece[start:end].copy_(self.segments[index].view(buffer, dtype, numel)[start:end])

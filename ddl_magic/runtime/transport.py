@@ -1,6 +1,10 @@
 """TCP connections between ranks: one socket to the right ring neighbour, one from the left,
 and the coordination links to rank 0.
 
+The ring's order is the world's `ring_order()`: ranks host by host. Where hierarchical
+allreduce runs (several hosts, the same number of ranks on each, shared memory within
+them), every rank also joins a *cross ring* of the ranks with its local_rank, one per host.
+
 The ring needs full duplex: while a rank receives a chunk from its left neighbour it is
 sending another chunk to its right one. Receiving happens on the caller's thread; sending
 large buffers happens on a dedicated sender thread, so both directions of the wire stay busy
@@ -45,11 +49,19 @@ _ALREADY_SENT._done.set()
 
 
 class RingTransport:
-    """The sockets of one rank: `send_to_right`, `recv_from_left`, and the coordination links."""
+    """One rank's place in a ring: `send_to_right`, `recv_from_left`, and (on the main ring)
+    the coordination links to rank 0.
 
-    def __init__(self, world: World, right: socket.socket | None, left: socket.socket | None,
-                 coordination: dict[int, Channel], op_timeout: float):
+    `members` are the ring's ranks in ring order; the ring algorithms work with this rank's
+    `position` among them and the ring's `size`.
+    """
+
+    def __init__(self, world: World, members: tuple[int, ...], right: socket.socket | None,
+                 left: socket.socket | None, coordination: dict[int, Channel], op_timeout: float):
         self.world = world
+        self.members = members
+        self.position = members.index(world.rank)
+        self.size = len(members)
         self._right = right
         self._left = left
         self.coordination = coordination  # rank 0: {rank: channel}; others: {0: channel}
@@ -64,11 +76,11 @@ class RingTransport:
 
     @property
     def right_rank(self) -> int:
-        return (self.world.rank + 1) % self.world.size
+        return self.members[(self.position + 1) % self.size]
 
     @property
     def left_rank(self) -> int:
-        return (self.world.rank - 1) % self.world.size
+        return self.members[(self.position - 1) % self.size]
 
     def send_to_right(self, data: memoryview) -> PendingSend:
         """Start sending `data` to the right neighbour; the caller must `wait()` before reusing it."""
@@ -119,17 +131,22 @@ class RingTransport:
 
 
 def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: float,
-                 op_timeout: float) -> RingTransport:
-    """Open this rank's ring and coordination connections, authenticating every one.
+                 op_timeout: float, cross: bool = False) -> tuple[RingTransport, RingTransport | None]:
+    """Open this rank's ring and coordination connections (and its cross ring if `cross`),
+    authenticating every one.
 
-    Each rank connects to its right neighbour (and, except rank 0, to rank 0) and accepts
-    the connection from its left neighbour (and, on rank 0, from every other rank). A
-    connection that fails the handshake is dropped and does not count; the run goes on.
+    Each rank connects to its right neighbour in each ring (and, except rank 0, to rank 0)
+    and accepts the connection from its left neighbours (and, on rank 0, from every other
+    rank). A connection that fails the handshake is dropped and does not count; the run
+    goes on.
     """
+    ring = world.ring_order()
     if world.size == 1:
-        return RingTransport(world, None, None, {}, op_timeout)
+        return RingTransport(world, ring, None, None, {}, op_timeout), None
     deadline = time.monotonic() + timeout
-    expected = {("ring", (world.rank - 1) % world.size)}
+    rings = {"ring": ring, "cross": world.cross_ring_order()} if cross else {"ring": ring}
+    neighbours = {purpose: _neighbours(world.rank, members) for purpose, members in rings.items()}
+    expected = {(purpose, left) for purpose, (left, _) in neighbours.items()}
     if world.rank == 0:
         expected |= {("coord", r) for r in range(1, world.size)}
     accepted: dict[tuple[str, int], Channel] = {}
@@ -147,7 +164,7 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
         channel.send(world.rank)  # tells the acceptor who we are
         return channel
 
-    right = connect((world.rank + 1) % world.size, "ring")
+    rights = {purpose: connect(right, purpose) for purpose, (_, right) in neighbours.items()}
     coordination = {} if world.rank == 0 else {0: connect(0, "coord")}
     acceptor.join(max(0.0, deadline - time.monotonic()))
     missing = expected - accepted.keys()
@@ -157,8 +174,19 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
                             f"did not open its {kind} connection within {timeout:.0f} s")
     if world.rank == 0:
         coordination = {rank: accepted[("coord", rank)] for rank in range(1, world.size)}
-    left = accepted[("ring", (world.rank - 1) % world.size)]
-    return RingTransport(world, right.sock, left.sock, coordination, op_timeout)
+    transports = {
+        purpose: RingTransport(world, rings[purpose], rights[purpose].sock,
+                               accepted[(purpose, left)].sock,
+                               coordination if purpose == "ring" else {}, op_timeout)
+        for purpose, (left, _) in neighbours.items()
+    }
+    return transports["ring"], transports.get("cross")
+
+
+def _neighbours(rank: int, members: tuple[int, ...]) -> tuple[int, int]:
+    """(left, right) of `rank` in a ring of `members`."""
+    position = members.index(rank)
+    return members[(position - 1) % len(members)], members[(position + 1) % len(members)]
 
 
 def _accept_expected(listener: socket.socket, secret: bytes, expected: set, accepted: dict,
@@ -173,7 +201,7 @@ def _accept_expected(listener: socket.socket, secret: bytes, expected: set, acce
 
     def authenticate(sock: socket.socket) -> None:
         try:
-            channel, purpose = Channel.accept(sock, secret, {"ring", "coord"},
+            channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord"},
                                               min(HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
             channel.sock.settimeout(max(0.1, deadline - time.monotonic()))
             rank = channel.recv()

@@ -35,6 +35,40 @@ class World:
         """'rank 3 on host-b', for error messages."""
         return f"rank {rank} on {self.peers[rank].host}" if self.peers else f"rank {rank}"
 
+    @property
+    def hosts(self) -> list[str]:
+        """The run's hosts, in the order of their lowest rank."""
+        return list(dict.fromkeys(peer.host for peer in self.peers))
+
+    def ring_order(self) -> tuple[int, ...]:
+        """Every rank, host by host: the ring then crosses between hosts only once per host.
+
+        Spark may place ranks 0 and 2 on one host and 1 and 3 on another; in rank order every
+        hop of the ring would cross hosts (Horovod orders its ring by host for the same reason).
+
+        >>> peers = [Peer(r, "ab"[r % 2], ("x", r)) for r in range(4)]
+        >>> derive_world(0, peers).ring_order()
+        (0, 2, 1, 3)
+        """
+        if not self.peers:
+            return (self.rank,)
+        return tuple(peer.rank for host in self.hosts for peer in self.peers if peer.host == host)
+
+    def cross_ring_order(self) -> tuple[int, ...]:
+        """The ranks with this rank's local_rank, one per host, host by host."""
+        ring = []
+        for host in self.hosts:
+            on_host = [peer.rank for peer in self.peers if peer.host == host]
+            if self.local_rank < len(on_host):
+                ring.append(on_host[self.local_rank])
+        return tuple(ring)
+
+    @property
+    def uniform_hosts(self) -> bool:
+        """Several hosts, each with the same number (more than one) of ranks."""
+        sizes = {sum(1 for peer in self.peers if peer.host == host) for host in self.hosts}
+        return len(self.hosts) > 1 and len(sizes) == 1 and sizes.pop() > 1
+
 
 def derive_world(rank: int, peers: list[Peer]) -> World:
     """Number ranks within their host and hosts within the run.
@@ -42,7 +76,7 @@ def derive_world(rank: int, peers: list[Peer]) -> World:
     >>> peers = [Peer(0, "a", ("a", 1)), Peer(1, "b", ("b", 1)), Peer(2, "a", ("a", 2))]
     >>> w = derive_world(2, peers)
     >>> (w.local_rank, w.local_size, w.cross_rank, w.cross_size)
-    (1, 2, 0, 2)
+    (1, 2, 0, 1)
     """
     hosts_in_order = list(dict.fromkeys(p.host for p in sorted(peers, key=lambda p: p.rank)))
     host = peers[rank].host

@@ -78,13 +78,13 @@ def synchronize(handle: Handle) -> torch.Tensor:
 
 
 def _submit(api: str, kind: str, tensor: torch.Tensor | None, output: torch.Tensor | None,
-            name: str | None, **fields) -> Handle:
+            name: str | None, wait_follows: bool = False, **fields) -> Handle:
     queue = context.current(api).queue
     if name is None:
         name = f"{kind}.noname.{next(_unnamed[kind])}"
     shape = tuple(tensor.shape) if tensor is not None else ()
     dtype = tensor.dtype if tensor is not None else torch.uint8
-    return queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output)
+    return queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output, wait_follows)
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,6 +113,13 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                            prescale_factor, postscale_factor, "allreduce_async")
 
 
+def _allreduce_now(tensor, average, name, op, prescale, postscale) -> torch.Tensor:
+    """The blocking allreduce: submitted as one the caller waits for at once."""
+    handle = _allreduce_into(_plain(tensor), None, average, name, op, prescale, postscale,
+                             "allreduce", wait_follows=True)
+    return synchronize(handle)
+
+
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set=None) -> Handle:
@@ -122,9 +129,10 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                            "allreduce_async_")
 
 
-def _allreduce_into(tensor, output, average, name, op, prescale, postscale, api) -> Handle:
+def _allreduce_into(tensor, output, average, name, op, prescale, postscale, api,
+                    wait_follows: bool = False) -> Handle:
     reduce_op = as_reduce_op(op, average)
-    return _submit(api, "allreduce", tensor, output, name, op=int(reduce_op),
+    return _submit(api, "allreduce", tensor, output, name, wait_follows, op=int(reduce_op),
                    prescale=float(prescale), postscale=float(postscale))
 
 
@@ -134,12 +142,12 @@ class _DifferentiableAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, average, name, op, prescale, postscale):
         ctx.args = (average, op, prescale, postscale)
-        return synchronize(allreduce_async(tensor, average, name, op, prescale, postscale))
+        return _allreduce_now(tensor, average, name, op, prescale, postscale)
 
     @staticmethod
     def backward(ctx, grad):
         average, op, prescale, postscale = ctx.args
-        reduced = synchronize(allreduce_async(grad, average, None, op, prescale, postscale))
+        reduced = _allreduce_now(grad, average, None, op, prescale, postscale)
         return reduced, None, None, None, None, None
 
 
@@ -158,8 +166,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         reduced = _DifferentiableAllreduce.apply(compressed, average, name, op,
                                                  prescale_factor, postscale_factor)
     else:
-        reduced = synchronize(allreduce_async(compressed, average, name, op,
-                                              prescale_factor, postscale_factor))
+        reduced = _allreduce_now(compressed, average, name, op, prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
 
 
@@ -167,7 +174,9 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
     """Reduce `tensor` over all ranks, in place, and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    target = _contiguous_in_place(tensor.detach(), "allreduce_")
+    return synchronize(_allreduce_into(target, target, average, name, op, prescale_factor,
+                                       postscale_factor, "allreduce_", wait_follows=True))
 
 
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
@@ -175,9 +184,14 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set=None) -> list[Handle]:
     """Start allreduces of several tensors; they are fused into one ring pass where they fit."""
+    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor,
+                              wait_follows=False)
+
+
+def _grouped_allreduce(tensors, average, name, op, prescale, postscale, wait_follows) -> list[Handle]:
     base = name or f"grouped_allreduce.noname.{next(_unnamed['grouped_allreduce'])}"
-    return [allreduce_async(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    return [_allreduce_into(_plain(t), None, average, f"{base}.{i}", op, prescale, postscale,
+                            "grouped_allreduce", wait_follows) for i, t in enumerate(tensors)]
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
@@ -185,7 +199,8 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set=None) -> list[torch.Tensor]:
     """Reduce several tensors over all ranks in as few ring passes as fusion allows."""
-    handles = grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor)
+    handles = _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor,
+                                 wait_follows=True)
     return [synchronize(h) for h in handles]
 
 
@@ -193,10 +208,18 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set=None) -> Handle:
     """Start concatenating every rank's `tensor` along dimension 0 (sizes may differ per rank)."""
+    return _allgather_of(tensor, name, "allgather_async", wait_follows=False)
+
+
+def _allgather_of(tensor, name, api, wait_follows) -> Handle:
     source = tensor.detach().contiguous()
     if source.dim() == 0:
         source = source.reshape(1)
-    return _submit("allgather_async", "allgather", source, None, name)
+    return _submit(api, "allgather", source, None, name, wait_follows)
+
+
+def _allgather_now(tensor, name=None) -> torch.Tensor:
+    return synchronize(_allgather_of(tensor, name, "allgather", wait_follows=True))
 
 
 class _DifferentiableAllgather(torch.autograd.Function):
@@ -204,15 +227,15 @@ class _DifferentiableAllgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name):
-        gathered = synchronize(allgather_async(tensor, name))
-        dims = synchronize(allgather_async(torch.tensor([tensor.shape[0] if tensor.dim() else 1])))
+        gathered = _allgather_now(tensor, name)
+        dims = _allgather_now(torch.tensor([tensor.shape[0] if tensor.dim() else 1]))
         ctx.start = int(dims[:rank()].sum())
         ctx.length = int(dims[rank()])
         return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum))
+        summed = _allreduce_now(grad.contiguous(), None, None, Sum, 1.0, 1.0)
         return summed[ctx.start:ctx.start + ctx.length], None
 
 
@@ -220,7 +243,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -
     """Concatenate every rank's `tensor` along dimension 0, in rank order."""
     if tensor.requires_grad:
         return _DifferentiableAllgather.apply(tensor, name)
-    return synchronize(allgather_async(tensor, name))
+    return _allgather_now(tensor, name)
 
 
 # ---- broadcast ----------------------------------------------------------------------------
@@ -228,9 +251,13 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` to every rank, into a new tensor."""
+    return _broadcast_anew(tensor, root_rank, name, "broadcast_async", wait_follows=False)
+
+
+def _broadcast_anew(tensor, root_rank, name, api, wait_follows) -> Handle:
     source = tensor.detach().contiguous()
     output = source.clone() if rank() == root_rank else torch.empty_like(source)
-    return _broadcast_into(source, output, root_rank, name, "broadcast_async")
+    return _broadcast_into(source, output, root_rank, name, api, wait_follows)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -240,30 +267,32 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _broadcast_into(target, target, root_rank, name, "broadcast_async_")
 
 
-def _broadcast_into(tensor, output, root_rank, name, api) -> Handle:
+def _broadcast_into(tensor, output, root_rank, name, api, wait_follows: bool = False) -> Handle:
     world_size = context.current(api).world.size
     if not 0 <= root_rank < world_size:
         raise ValueError(f"{api}: root_rank {root_rank} is not a rank of this run (size {world_size})")
-    return _submit(api, "broadcast", tensor, output, name, root=int(root_rank))
+    return _submit(api, "broadcast", tensor, output, name, wait_follows, root=int(root_rank))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set=None) -> torch.Tensor:
     """Return `root_rank`'s `tensor` on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
+    return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with `root_rank`'s, on every rank, and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    target = _contiguous_in_place(tensor.detach(), "broadcast_")
+    return synchronize(_broadcast_into(target, target, root_rank, name, "broadcast_",
+                                       wait_follows=True))
 
 
 # ---- barrier ------------------------------------------------------------------------------
 
 def barrier(process_set=None) -> None:
     """Return once every rank has called `barrier()`."""
-    synchronize(_submit("barrier", "barrier", None, None, None))
+    synchronize(_submit("barrier", "barrier", None, None, None, wait_follows=True))
 
 
 def join(device: int = -1) -> int:
@@ -273,4 +302,4 @@ def join(device: int = -1) -> int:
     others keep training; their averages still divide by `size()`. Returns the rank that
     joined last. Allgather and broadcast raise while some rank has joined.
     """
-    return int(synchronize(_submit("join", "join", None, None, "join")).item())
+    return int(synchronize(_submit("join", "join", None, None, "join", wait_follows=True)).item())

@@ -1,0 +1,191 @@
+"""Negotiation without a round trip, for ranks that all share one host: lockstep cycles.
+
+Every rank keeps a replica of rank 0's `Coordinator` (see `negotiation.py`). A *cycle* is one
+exchange through shared memory in which every rank publishes what it has submitted since
+the previous cycle (a request seen before travels as its cache id). Each rank then feeds
+every rank's submissions, in rank order, to its replica and takes the cycle's responses from
+it: identical inputs, identical decisions. So the ranks agree on which collectives run, in
+which order and fused how, with no message to rank 0 and back, and the thread that runs a
+cycle is one that wants it:
+
+1. a user thread that waits on a handle (`synchronize`, `optimizer.step()`) runs cycles
+   itself until its handle completes, rather than waking a background thread and sleeping;
+2. the background thread runs a cycle when work was submitted and nobody has waited for it
+   within `cycle_time` (communication then overlaps the user's computation, and a burst of
+   submissions fuses into one cycle), and whenever a neighbour has started one: every rank
+   takes part in every cycle;
+3. a rank that starts a cycle rings the doorbells of the neighbours that have not, so an
+   idle rank joins at once.
+
+Which thread may touch what: `_progress` is held by whichever thread runs a cycle, and only
+its holder touches the replica, the request cache, `_pending` and the shared-memory group's
+rounds. `_lock` (the base class's) guards what submitting threads share with it.
+
+Why every wait ends: inside a cycle a rank waits for neighbours that are alive and joining
+(their background thread is woken by the doorbell), bounded by the op timeout; an idle rank
+sleeps on its doorbell for at most a slice, then checks that its neighbours still exist. A
+rank that calls `shutdown()` runs one last cycle saying so, after which every rank's queue
+refuses further work and names it, instead of waiting for a partner that will not come.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+
+from .collectives import CollectiveRunner
+from .errors import HorovodInternalError
+from .negotiation import Coordinator
+from .op_queue import Handle, OpQueue
+from .shared_memory import SLEEP_SLICE_S, HostGroup
+
+
+class SharedMemoryOpQueue(OpQueue):
+    """Negotiates in lockstep cycles through the host's shared memory, on any thread."""
+
+    def __init__(self, runner: CollectiveRunner, group: HostGroup, fusion_threshold: int,
+                 cycle_time_s: float, stall_time_s: float, op_timeout: float):
+        super().__init__(runner, group.world)
+        self._group = group
+        self._cycle_time_s = cycle_time_s
+        self._op_timeout = op_timeout
+        self._progress = threading.Lock()
+        self._replica = Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
+        self._first_unannounced: float | None = None  # under _lock: when the oldest was queued
+        self._doorbell_rung = False  # under _lock: the background thread was told about it
+        self._stopped = False
+        self._thread.start()
+
+    # ---- the user's side --------------------------------------------------------------
+
+    def wait_for(self, handle: Handle) -> None:
+        """Run cycles on this thread until `handle` completes; sleep when there is nothing to run."""
+        while handle._pending.locked():
+            doorbell = self._group.own.doorbell  # read before deciding to sleep: no lost wake-up
+            with self._progress:
+                if not handle._pending.locked() or self._failure is not None:
+                    break
+                if self._cycle_wanted(now_or_never=True):
+                    self._cycle()
+                    continue
+            self._idle(doorbell, SLEEP_SLICE_S)
+        if self._work_left():
+            self._group.own.ring()  # ours is done: the background thread takes over the rest
+        with handle._pending:  # completed by _fail when the queue failed meanwhile
+            pass
+
+    def close(self) -> None:
+        with self._progress:
+            if self._failure is None:
+                with self._lock:
+                    self._closing = True
+                self._cycle()  # tells every neighbour; fails this queue too, with "shut down"
+            self._stopped = True
+        self._group.own.ring()
+        self._thread.join(timeout=self._op_timeout)
+        self._runner.close()
+
+    def _queued_locked(self) -> None:
+        if self._first_unannounced is None:
+            self._first_unannounced = time.monotonic()
+
+    def _wake_needed_locked(self) -> bool:
+        if self._doorbell_rung:
+            return False  # the background thread already knows there is work
+        self._doorbell_rung = True
+        return True
+
+    def _wake(self) -> None:
+        self._group.own.ring()
+
+    def _taken_locked(self) -> None:
+        self._first_unannounced = None
+        self._doorbell_rung = False
+
+    # ---- the background thread ----------------------------------------------------------
+
+    def _negotiate(self) -> None:
+        while True:
+            doorbell = self._group.own.doorbell
+            timeout = SLEEP_SLICE_S
+            if self._progress.acquire(blocking=False):
+                try:
+                    if self._stopped or self._failure is not None:
+                        return
+                    if self._cycle_wanted(now_or_never=False):
+                        self._cycle()
+                        continue
+                    timeout = self._until_cycle_due()
+                    try:
+                        self._group.check_neighbours()
+                    except HorovodInternalError as exc:
+                        self._fail(exc)  # under _progress, like every touch of _pending
+                        return
+                    if self.world.rank == 0:
+                        self._warn_about_stalls()
+                finally:
+                    self._progress.release()
+            self._idle(doorbell, timeout)
+
+    # ---- cycles ---------------------------------------------------------------------------
+
+    def _cycle_wanted(self, now_or_never: bool) -> bool:
+        """Must this rank run a cycle now? (`now_or_never`: a waiting user does not wait for
+        the fusion window.)"""
+        if self._group.neighbour_started_a_round():
+            return True
+        with self._lock:
+            first = self._first_unannounced
+            closing = self._closing
+        if first is None:
+            return closing
+        return now_or_never or time.monotonic() - first >= self._cycle_time_s
+
+    def _until_cycle_due(self) -> float:
+        with self._lock:
+            first = self._first_unannounced
+        if first is None:
+            return SLEEP_SLICE_S
+        return max(0.0, first + self._cycle_time_s - time.monotonic())
+
+    def _cycle(self) -> None:
+        """One lockstep cycle: exchange submissions, decide like everyone else, run the result."""
+        try:
+            entries, _, closing = self._take_incoming()
+            mine = pickle.dumps(([self._cache.encode(e.request) for e in entries], closing),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            everyone = self._group.exchange(mine)
+            now = time.monotonic()
+            gone = []
+            for rank, message in enumerate(everyone):  # one host: local index == rank
+                requests, rank_closing = pickle.loads(message)
+                self._replica.submit(rank, requests, now)
+                if rank_closing:
+                    gone.append(rank)
+            if gone:
+                raise HorovodInternalError(
+                    f"rank {gone[0]} has shut down (hvd.shutdown(), or its function returned): "
+                    "no more collectives can run in this job")
+            cycle = self._replica.take_cycle(now, flush=True)
+            if cycle is not None:
+                self._cache.update(cycle.cache_updates)
+                self._execute(cycle)
+        except BaseException as exc:  # every pending handle must learn why, on every thread
+            self._fail(exc if isinstance(exc, HorovodInternalError)
+                       else HorovodInternalError(f"ddl_magic negotiation failed: {exc!r}"))
+
+    def _work_left(self) -> bool:
+        with self._lock:
+            queued = self._first_unannounced is not None
+        return queued or self._group.neighbour_started_a_round()
+
+    def _idle(self, doorbell: int, timeout: float) -> None:
+        """Sleep until the doorbell rings or `timeout` passes (never longer than a slice)."""
+        if timeout > 0:
+            self._group.sleep_on_doorbell(doorbell, timeout)
+
+    def _warn_about_stalls(self) -> None:
+        for warning in self._replica.stall_warnings(time.monotonic()):
+            print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)

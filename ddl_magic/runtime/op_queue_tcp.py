@@ -1,0 +1,152 @@
+"""Negotiation through rank 0 over TCP: the op queue of ranks that do not share one host.
+
+One background thread per rank forwards new requests to rank 0, receives the agreed cycle
+of responses (see `negotiation.py`) and runs them with the `CollectiveRunner`, completing
+handles as it goes. Rank 0's background thread additionally runs the `Coordinator`.
+
+The thread sleeps in `select` on its sockets and a wake-up socket, so it costs nothing
+while idle and reacts immediately when a request arrives.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import sys
+import time
+
+from ..protocol import PeerClosedError
+from .collectives import CollectiveRunner
+from .errors import HorovodInternalError, PeerLostError
+from .negotiation import Coordinator
+from .op_queue import Handle, OpQueue
+from .transport import RingTransport
+
+
+class TcpOpQueue(OpQueue):
+    """Negotiates on a background thread, through rank 0's `Coordinator`."""
+
+    def __init__(self, runner: CollectiveRunner, transport: RingTransport, fusion_threshold: int,
+                 cycle_time_s: float, stall_time_s: float):
+        super().__init__(runner, transport.world)
+        self.transport = transport
+        self._woken = False
+        self._wake_receiver, self._wake_sender = socket.socketpair()
+        self._coordinator = (
+            Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
+            if self.world.rank == 0 else None
+        )
+        self._thread.start()
+
+    # ---- the user's side --------------------------------------------------------------
+
+    def wait_for(self, handle: Handle) -> None:
+        """Tell rank 0 not to hold `handle` back for fusion, then sleep until it completes."""
+        with self._lock:
+            self._incoming.append(handle.name)
+        self._wake()
+        with handle._pending:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+        self._wake()
+        self._thread.join(timeout=self.transport.op_timeout)
+        self._runner.close()
+        self._wake_receiver.close()
+        self._wake_sender.close()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._woken:
+                return  # one byte in the socket is enough to wake the thread
+            self._woken = True
+        self._wake_sender.send(b"\0")
+
+    def _taken_locked(self) -> None:
+        self._woken = False
+
+    # ---- the background thread ----------------------------------------------------------
+
+    def _negotiate(self) -> None:
+        if self._coordinator is not None:
+            self._coordinate()
+        else:
+            self._follow()
+
+    def _take_incoming(self):
+        self._wake_receiver.recv(4096)
+        return super()._take_incoming()
+
+    def _follow(self) -> None:
+        """Ranks other than 0: forward requests to rank 0, run the cycles it sends back."""
+        channel = self.transport.coordination[0]
+        while True:
+            readable, _, _ = select.select([self._wake_receiver, channel.sock], [], [])
+            if self._wake_receiver in readable:
+                entries, waited, closing = self._take_incoming()
+                if entries or waited:
+                    channel.send(("submit", [self._cache.encode(e.request) for e in entries], waited))
+                if closing:
+                    channel.send(("bye",))
+                    return
+            if channel.sock in readable:
+                message = self._recv(channel, 0)
+                if message[0] == "abort":
+                    raise HorovodInternalError(message[1])
+                self._cache.update(message[1].cache_updates)
+                self._execute(message[1])
+
+    def _coordinate(self) -> None:
+        """Rank 0: collect every rank's requests, decide cycles, send them out and run them."""
+        followers = dict(self.transport.coordination)  # rank -> channel
+        try:
+            self._coordinate_followers(followers)
+        except BaseException as exc:  # every rank must learn why, or its handles would wait forever
+            reason = str(exc) if isinstance(exc, HorovodInternalError) else f"rank 0: {exc}"
+            for channel in followers.values():
+                try:
+                    channel.send(("abort", reason))
+                except OSError:
+                    pass
+            raise
+
+    def _coordinate_followers(self, followers: dict) -> None:
+        coordinator = self._coordinator
+        by_socket = {channel.sock: rank for rank, channel in followers.items()}
+        while True:
+            deadline = coordinator.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self._wake_receiver, *by_socket], [], [], timeout)
+            now = time.monotonic()
+            for sock in readable:
+                if sock is self._wake_receiver:
+                    entries, waited, closing = self._take_incoming()
+                    coordinator.submit(0, [e.request for e in entries], now)
+                    coordinator.note_waited(waited)
+                    if closing:
+                        for channel in followers.values():
+                            channel.send(("abort", "rank 0 has shut down"))
+                        return
+                    continue
+                rank = by_socket[sock]
+                message = self._recv(followers[rank], rank)
+                if message[0] == "bye":
+                    raise PeerLostError(rank, self.world.peers[rank].host, "it has shut down")
+                _, requests, waited = message
+                coordinator.submit(rank, requests, now)
+                coordinator.note_waited(waited)
+            for warning in coordinator.stall_warnings(now):
+                print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
+            cycle = coordinator.take_cycle(now)
+            if cycle is not None:
+                for channel in followers.values():
+                    channel.send(("cycle", cycle))
+                self._execute(cycle)
+
+    def _recv(self, channel, rank: int):
+        try:
+            return channel.recv()
+        except (OSError, PeerClosedError, EOFError) as exc:
+            raise PeerLostError(rank, self.world.peers[rank].host, "connection lost") from exc
