@@ -119,3 +119,25 @@ def test_a_neighbour_that_dies_becomes_peer_lost_within_a_sleep_slice_not_the_ti
     finally:
         neighbour.kill()
         neighbour.join(timeout=10)
+
+
+def wait_for_a_partner_that_leaves():
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(3), name="together")
+    if hvd.rank() == 1:
+        hvd.shutdown()  # leaves without submitting "alone"
+        return None
+    try:
+        hvd.allreduce(torch.ones(3), name="alone")
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_waiting_for_one_that_shut_down_is_told_so_not_left_to_time_out():
+    # With a timeout longer than the test's, only rank 1's last cycle can end rank 0's wait.
+    message = run_on_ranks(wait_for_a_partner_that_leaves, 2, timeout_s=60,
+                           env={"DDL_MAGIC_TIMEOUT": "600"})[0]
+    assert "rank 1 has shut down" in message
