@@ -30,15 +30,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 CACHE_CAPACITY = 1024  # requests remembered for cheap resubmission, as Horovod's default
 
 
-@dataclass(frozen=True)
-class Request:
-    """One rank's description of one named collective."""
+class Request(NamedTuple):
+    """One rank's description of one named collective.
+
+    A named tuple, not a dataclass: a training step creates, hashes and compares these by
+    the thousand, and a tuple does all three in C.
+    """
 
     name: str
     kind: str  # "allreduce", "allgather", "broadcast", "barrier" or "join"
@@ -76,8 +80,7 @@ class Request:
         return True
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     """What every rank executes next: one collective over `names` (several when fused)."""
 
     kind: str
@@ -182,12 +185,11 @@ class Coordinator:
         """
         if not self._ready:
             return None
-        ready_bytes = sum(_any(self._submitted[name]).nbytes for name in self._ready)
         flush = (
             flush
             or any(name in self._waited for name in self._ready)
             or now - self._ready_since >= self.cycle_time_s
-            or ready_bytes >= self.fusion_threshold
+            or sum(_any(self._submitted[name]).nbytes for name in self._ready) >= self.fusion_threshold
         )
         if not flush:
             return None
@@ -247,6 +249,9 @@ class Coordinator:
             self._joined.clear()
             return Response("join", (name,), last_joined_rank=last)
         ranks = sorted(requests)
+        if (len(ranks) == self.size and first.kind != "allgather"
+                and all(request is first for request in requests.values())):
+            return Response(first.kind, (name,))  # every rank sent the same cached request
         disagreeing = [rank for rank in ranks[1:] if not requests[rank].agrees_with(first)]
         if disagreeing:
             details = "; ".join(f"rank {rank}: {requests[rank].describe()}"

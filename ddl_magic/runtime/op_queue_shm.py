@@ -10,10 +10,11 @@ cycle is one that wants it:
 
 1. a user thread that waits on a handle (`synchronize`, `optimizer.step()`) runs cycles
    itself until its handle completes, rather than waking a background thread and sleeping;
-2. the background thread runs a cycle when work was submitted and nobody has waited for it
-   within `cycle_time` (communication then overlaps the user's computation, and a burst of
-   submissions fuses into one cycle), and whenever a neighbour has started one: every rank
-   takes part in every cycle;
+2. the background thread runs a cycle when work was submitted, nobody waits for it, and no
+   more has been submitted for `cycle_time` (communication then overlaps the user's
+   computation, and a burst of submissions fuses into one cycle instead of being cut into
+   many by a thread that competes with the submitting one for the GIL), and whenever a
+   neighbour has started one: every rank takes part in every cycle;
 3. a rank that starts a cycle rings the doorbells of the neighbours that have not, so an
    idle rank joins at once.
 
@@ -41,6 +42,8 @@ from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
 from .shared_memory import SLEEP_SLICE_S, HostGroup
 
+_MAX_WINDOWS = 10
+
 
 class SharedMemoryOpQueue(OpQueue):
     """Negotiates in lockstep cycles through the host's shared memory, on any thread."""
@@ -53,7 +56,9 @@ class SharedMemoryOpQueue(OpQueue):
         self._op_timeout = op_timeout
         self._progress = threading.Lock()
         self._replica = Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
-        self._first_unannounced: float | None = None  # under _lock: when the oldest was queued
+        # Under _lock: when the oldest and the newest unannounced submissions were queued.
+        self._first_unannounced: float | None = None
+        self._last_unannounced = 0.0
         self._doorbell_rung = False  # under _lock: the background thread was told about it
         self._stopped = False
         self._thread.start()
@@ -88,8 +93,9 @@ class SharedMemoryOpQueue(OpQueue):
         self._runner.close()
 
     def _queued_locked(self) -> None:
+        self._last_unannounced = time.monotonic()
         if self._first_unannounced is None:
-            self._first_unannounced = time.monotonic()
+            self._first_unannounced = self._last_unannounced
 
     def _wake_needed_locked(self) -> bool:
         if self._doorbell_rung:
@@ -133,22 +139,32 @@ class SharedMemoryOpQueue(OpQueue):
 
     def _cycle_wanted(self, now_or_never: bool) -> bool:
         """Must this rank run a cycle now? (`now_or_never`: a waiting user does not wait for
-        the fusion window.)"""
-        if self._group.neighbour_started_a_round():
-            return True
+        the fusion window.)
+
+        A neighbour that started a cycle is joined at once, unless this rank's user is in the
+        middle of a burst of submissions: then joining waits until the burst goes quiet, so
+        the burst travels in one cycle and no cycle competes with it for the GIL (the
+        neighbour is waiting for exactly this rank's requests anyway).
+        """
         with self._lock:
-            first = self._first_unannounced
+            queued = self._first_unannounced is not None
             closing = self._closing
-        if first is None:
-            return closing
-        return now_or_never or time.monotonic() - first >= self._cycle_time_s
+        if now_or_never and (queued or closing):
+            return True
+        if queued:
+            return self._until_cycle_due() == 0.0
+        return closing or self._group.neighbour_started_a_round()
 
     def _until_cycle_due(self) -> float:
+        """Seconds until the background thread should run a cycle for unannounced work: a
+        cycle time after the last submission, and at most `_MAX_WINDOWS` cycle times after the
+        first (a steady trickle of submissions must not hold everything back)."""
         with self._lock:
-            first = self._first_unannounced
+            first, last = self._first_unannounced, self._last_unannounced
         if first is None:
             return SLEEP_SLICE_S
-        return max(0.0, first + self._cycle_time_s - time.monotonic())
+        due = min(last + self._cycle_time_s, first + _MAX_WINDOWS * self._cycle_time_s)
+        return max(0.0, due - time.monotonic())
 
     def _cycle(self) -> None:
         """One lockstep cycle: exchange submissions, decide like everyone else, run the result."""
