@@ -24,7 +24,7 @@ from .events import (RankFailed, RankFinished, RankOutput, RankStarted, Timeline
                      TimelineStarted)
 from .launch.local import ProcessExited, describe_exit
 from .protocol import ABORTED_EXIT_CODE, new_secret
-from .runtime.shared_memory import TRANSPORT_VARIABLE, transport_choice
+from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .trace_writer import TraceWriter
 from .ui import make_display
 

@@ -18,7 +18,8 @@ from .collectives import CollectiveRunner
 from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
-from .shared_memory import connect_host_group, transport_choice
+from .settings import Settings
+from .shared_memory import connect_host_group
 from .transport import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
@@ -31,39 +32,6 @@ class RankBootstrap:
     peers: list[Peer]
     secret: bytes
     listener: socket.socket
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Tunables, read from the environment names Horovod users already know."""
-
-    fusion_threshold: int
-    cycle_time_s: float
-    stall_time_s: float
-    timeout_s: float
-    transport: str  # DDL_MAGIC_TRANSPORT: auto, tcp or shm
-    hierarchical: bool  # HOROVOD_HIERARCHICAL_ALLREDUCE, on unless set to 0
-
-    @classmethod
-    def from_environment(cls) -> "Settings":
-        def number(names: tuple[str, ...], default: float) -> float:
-            for name in names:
-                if os.environ.get(name):
-                    try:
-                        return float(os.environ[name])
-                    except ValueError:
-                        raise ValueError(f"{name}={os.environ[name]!r} is not a number") from None
-            return default
-
-        return cls(
-            fusion_threshold=int(number(("HOROVOD_FUSION_THRESHOLD",), 128 * 1024 * 1024)),
-            cycle_time_s=number(("HOROVOD_CYCLE_TIME",), 1.0) / 1000.0,
-            stall_time_s=number(("HOROVOD_STALL_CHECK_TIME_SECONDS",), 60.0),
-            timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
-            transport=transport_choice(),
-            hierarchical=os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
-            not in ("0", "false", "no", "off"),
-        )
 
 
 @dataclass
