@@ -1,22 +1,32 @@
-"""ddl_magic's ring allreduce against torch.distributed's gloo, measured in the same run.
+"""ddl_magic's allreduce, over TCP and over shared memory, against torch.distributed's gloo.
 
-    python benchmarks/allreduce.py               # np 2 and 4, 4 KiB .. 64 MiB (about 3 minutes)
+    python benchmarks/allreduce.py               # np 2 and 4, 4 KiB .. 64 MiB (about 4 minutes)
     python benchmarks/allreduce.py --quick       # smoke run: np 2, three sizes, few iterations
     python benchmarks/allreduce.py --np 2 --sizes 1MiB 64MiB --iterations 50
 
-Three measurements:
+Three sides, measured in the same run and interleaved (gloo, ours-tcp, ours-shm, gloo, ...):
+gloo; ours with ``DDL_MAGIC_TRANSPORT=tcp`` (the TCP ring, as between hosts); ours as a user
+gets it on one host (the variable unset, ``auto``: shared memory). Every rank of ours checks
+that its run uses the transport its side is named after.
 
-1. allreduce (sum, float32, in place) of one tensor per size, on np ranks of each backend:
+Four measurements:
+
+1. allreduce (sum, float32, in place) of one tensor per size, on np ranks of each side:
    the slowest rank's median time per call, algbw = bytes / time and busbw = algbw * 2(n-1)/n
    (the nccl-tests definitions: busbw is what each link carries, comparable across n);
 2. 1000 tensors of 1 KiB per round at np=2: ours submits them all with
    ``hvd.allreduce_async_`` and then synchronizes (the op queue fuses them); gloo makes 1000
    ``dist.all_reduce`` calls;
-3. the ceiling: one process streaming to another over TCP loopback with large
-   ``sendall`` / ``recv_into`` calls, in GB/s.
+3. the TCP ceiling: one process streaming to another over TCP loopback with large
+   ``sendall`` / ``recv_into`` calls, in GB/s;
+4. the memory ceiling: ``dst.copy_(src)`` of 256 MiB float32 tensors in this process, on one
+   torch thread and on one per CPU, at the start and at the end of the run, in GB/s counting
+   the bytes read and the bytes written (2 x 256 MiB per copy; the reads a cache does to
+   allocate the written lines are not counted). Shared memory moves data by copying it, so
+   the 64 MiB rows give ours-shm's busbw as a fraction of the fastest copy seen.
 
 Every rank runs one torch thread and times itself; each side runs twice, interleaved with
-the other, and its less disturbed run is reported. Prints tables and writes
+the others, and its least disturbed run is reported. Prints tables and writes
 ``benchmarks/results/allreduce.json``.
 """
 
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import socket
 import statistics
 import time
@@ -32,29 +43,51 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import (best_of, format_size, interleaved, parse_size, print_table, run_gloo, run_ours,
-                    slowest_rank, spread, summarize, time_iterations, warn_if_busy, write_results)
+from common import (best_of, format_size, init_rank_using, interleaved, parse_size, print_table, run_gloo,
+                    run_ours_with, slowest_rank, spread, summarize, time_iterations, warn_if_busy,
+                    write_results)
 
 SIZES = ("4KiB", "64KiB", "1MiB", "16MiB", "64MiB")
-QUICK_SIZES = ("4KiB", "1MiB", "16MiB")
+QUICK_SIZES = ("4KiB", "1MiB", "64MiB")
 WORLD_SIZES = (2, 4)
+SIDES = ("gloo", "ours_tcp", "ours_shm")
+# What each side of ours sets on its ranks, and the transport its ranks must then report.
+OURS_ENV = {"ours_tcp": {"DDL_MAGIC_TRANSPORT": "tcp"}, "ours_shm": {}}
+OURS_TRANSPORT = {"ours_tcp": "tcp", "ours_shm": "shm"}
+TARGET_SIDE = "ours_shm"  # the targets are for ours as a user gets it on one host
 SMALL_TENSORS, SMALL_TENSOR_BYTES, SMALL_TENSOR_NP = 1000, 1024, 2
-SMALL_TENSORS_TARGET_S = 0.010
+SMALL_TENSORS_TARGET_S = 0.0065
 TCP_MESSAGE_BYTES, TCP_MESSAGES = 64 << 20, 40
+MEMORY_COPY_BYTES, MEMORY_COPIES = 256 << 20, 10
 SPREAD_WARNING = 0.25  # flag a measurement whose middle half spans more than 25 % of its median
 
 
 def target_speedup(nbytes: int, np: int) -> float | None:
-    """How many times faster than gloo ours should be (None: no target at this size)."""
-    if nbytes <= 1 << 20:
-        return 3.0  # time <= 1/3 of gloo's
-    if nbytes >= 64 << 20:
-        return 1.3 if np == 2 else 1.0  # busbw >= 1.3x gloo at np=2, >= 1x at np=4
+    """How many times faster than gloo ours (shared memory) should be; None: no target here.
+
+    At np=2: at most 1/6 of gloo's time at 4 KiB and below, at most 1/4 up to 1 MiB. At
+    64 MiB on 2 and on 4 ranks: busbw at least 2x gloo's, the same ratio as the times.
+    """
+    if np == 2 and nbytes <= 4 << 10:
+        return 6.0
+    if np == 2 and nbytes <= 1 << 20:
+        return 4.0
+    if np in (2, 4) and nbytes >= 64 << 20:
+        return 2.0
     return None
 
 
+def describe_target(nbytes: int, target: float | None) -> str:
+    """'time <= 1/6' for the small sizes, 'busbw >= 2x' for the large ones, as the targets read."""
+    if target is None:
+        return "-"
+    if nbytes >= 64 << 20:
+        return f"busbw >= {target:g}x"
+    return f"time <= 1/{target:g}"
+
+
 def default_iterations(nbytes: int) -> int:
-    """Enough timed calls for a stable median, few enough to keep the full run under 3 minutes."""
+    """Enough timed calls for a stable median, few enough to keep the full run to a few minutes."""
     if nbytes <= 64 << 10:
         return 300
     if nbytes <= 1 << 20:
@@ -92,11 +125,10 @@ def check_sum(allreduce, rank: int, np: int, nbytes: int) -> None:
                              f"{tensor.unique()[:5].tolist()}, expected {expected}")
 
 
-def ours_sweep(sizes: list[int], iterations: dict[int, int]) -> dict[int, dict]:
+def ours_sweep(sizes: list[int], iterations: dict[int, int], transport: str) -> dict[int, dict]:
     import ddl_magic.torch as hvd
 
-    torch.set_num_threads(1)
-    hvd.init()
+    init_rank_using(transport)
 
     def allreduce(tensor, nbytes):
         # A fixed name per size, as a training loop's gradients have: the request cache hits.
@@ -110,11 +142,10 @@ def gloo_sweep(sizes: list[int], iterations: dict[int, int]) -> dict[int, dict]:
                  dist.get_world_size(), sizes, iterations)
 
 
-def ours_small_tensors(count: int, nbytes: int, rounds: int) -> dict:
+def ours_small_tensors(count: int, nbytes: int, rounds: int, transport: str) -> dict:
     import ddl_magic.torch as hvd
 
-    torch.set_num_threads(1)
-    hvd.init()
+    init_rank_using(transport)
     tensors = [torch.zeros(nbytes // 4) for _ in range(count)]
     names = [f"small.{i}" for i in range(count)]
 
@@ -178,17 +209,59 @@ def receive_exactly(connection: socket.socket, buffer: memoryview) -> None:
         received += count
 
 
+# ---- memory bandwidth ceiling -------------------------------------------------------------
+
+def memory_bandwidth(nbytes: int, copies: int, threads: int) -> dict:
+    """`dst.copy_(src)` of `nbytes` on `threads` torch threads; GB/s counting bytes read + written."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source = torch.ones(nbytes // 4)
+        destination = torch.empty_like(source)
+        destination.copy_(source)  # first touch: the page faults stay out of the timing
+        times = []
+        for _ in range(copies):
+            started = time.perf_counter()
+            destination.copy_(source)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    rates = [2 * nbytes / seconds / 1e9 for seconds in times]
+    return {"bytes": nbytes, "threads": threads, "copies": copies, "best_gbps": max(rates),
+            "median_gbps": statistics.median(rates), "counted": "bytes read + bytes written"}
+
+
+def measure_memory(copies: int) -> dict[str, dict]:
+    """The copy bandwidth on one torch thread and on one per CPU."""
+    return {f"{threads}_threads": memory_bandwidth(MEMORY_COPY_BYTES, copies, threads)
+            for threads in sorted({1, os.cpu_count() or 1})}
+
+
+def print_memory(when: str, measured: dict[str, dict]) -> None:
+    parts = [f"{m['threads']} thread{'s' if m['threads'] > 1 else ''} {m['best_gbps']:.2f} GB/s "
+             f"(median {m['median_gbps']:.2f})" for m in measured.values()]
+    copies = next(iter(measured.values()))["copies"]
+    print(f"memory bandwidth {when}: copy_ of {format_size(MEMORY_COPY_BYTES)} float32, bytes read "
+          f"+ written, fastest of {copies}: " + "; ".join(parts))
+
+
 # ---- the driver ---------------------------------------------------------------------------
 
 def compare_allreduce(np: int, sizes: list[int], iterations: dict[int, int],
                       repeats: int) -> list[dict]:
     kwargs = dict(sizes=sizes, iterations=iterations)
-    gloo_runs, ours_runs = interleaved(
+    runs = dict(zip(SIDES, interleaved(
         repeats,
         lambda: slowest_per_size(run_gloo(gloo_sweep, np, **kwargs)),
-        lambda: slowest_per_size(run_ours(ours_sweep, np, **kwargs)))
-    return [row_for(np, nbytes, best_of([run[nbytes] for run in gloo_runs]),
-                    best_of([run[nbytes] for run in ours_runs])) for nbytes in sizes]
+        *[functools.partial(run_ours_side, ours_sweep, np, side, kwargs) for side in SIDES[1:]])))
+    return [row_for(np, nbytes, {side: best_of([run[nbytes] for run in runs[side]]) for side in SIDES})
+            for nbytes in sizes]
+
+
+def run_ours_side(fn, np: int, side: str, kwargs: dict):
+    """One run of `fn` on ours with the side's environment: the slowest rank (per size, for a sweep)."""
+    ranks = run_ours_with(fn, np, dict(kwargs, transport=OURS_TRANSPORT[side]), env=OURS_ENV[side])
+    return slowest_per_size(ranks) if fn is ours_sweep else slowest_rank(ranks)
 
 
 def slowest_per_size(per_rank: list[dict[int, dict]]) -> dict[int, dict]:
@@ -197,58 +270,77 @@ def slowest_per_size(per_rank: list[dict[int, dict]]) -> dict[int, dict]:
 
 def compare_small_tensors(rounds: int, repeats: int) -> dict:
     kwargs = dict(count=SMALL_TENSORS, nbytes=SMALL_TENSOR_BYTES, rounds=rounds)
-    gloo_runs, ours_runs = interleaved(
+    runs = dict(zip(SIDES, interleaved(
         repeats,
         lambda: slowest_rank(run_gloo(gloo_small_tensors, SMALL_TENSOR_NP, **kwargs)),
-        lambda: slowest_rank(run_ours(ours_small_tensors, SMALL_TENSOR_NP, **kwargs)))
-    gloo, ours = best_of(gloo_runs), best_of(ours_runs)
-    return {"np": SMALL_TENSOR_NP, "count": SMALL_TENSORS, "bytes": SMALL_TENSOR_BYTES,
-            "gloo": gloo, "ours": ours, "target_s": SMALL_TENSORS_TARGET_S,
-            "meets_target": ours["median_s"] < SMALL_TENSORS_TARGET_S}
+        *[functools.partial(run_ours_side, ours_small_tensors, SMALL_TENSOR_NP, side, kwargs)
+          for side in SIDES[1:]])))
+    best = {side: best_of(runs[side]) for side in SIDES}
+    return {"np": SMALL_TENSOR_NP, "count": SMALL_TENSORS, "bytes": SMALL_TENSOR_BYTES, **best,
+            "target_s": SMALL_TENSORS_TARGET_S, "target_side": TARGET_SIDE,
+            "meets_target": best[TARGET_SIDE]["median_s"] <= SMALL_TENSORS_TARGET_S}
 
 
-def row_for(np: int, nbytes: int, gloo: dict, ours: dict) -> dict:
+def row_for(np: int, nbytes: int, sides: dict[str, dict]) -> dict:
+    """One size: every side with its bandwidths, ours' speed-ups over gloo, the verdict."""
     def bandwidth(summary: dict) -> dict:
         algbw = nbytes / summary["median_s"] / 1e9
         return dict(summary, algbw_gbps=algbw, busbw_gbps=algbw * 2 * (np - 1) / np)
 
-    speedup = gloo["median_s"] / ours["median_s"]
+    gloo_s = sides["gloo"]["median_s"]
+    speedups = {side: gloo_s / sides[side]["median_s"] for side in SIDES[1:]}
     target = target_speedup(nbytes, np)
-    return {"np": np, "bytes": nbytes, "gloo": bandwidth(gloo), "ours": bandwidth(ours),
-            "speedup": speedup, "target_speedup": target,
-            "meets_target": None if target is None else speedup >= target}
+    return {"np": np, "bytes": nbytes, **{side: bandwidth(sides[side]) for side in SIDES},
+            "speedup_vs_gloo": speedups, "target_side": TARGET_SIDE, "target_speedup": target,
+            "meets_target": None if target is None else speedups[TARGET_SIDE] >= target}
 
 
-def print_allreduce(np: int, rows: list[dict], ceiling_gbps: float) -> None:
-    header = ["size", "gloo ms", "ours ms", "gloo busbw", "ours busbw", "ours/gloo time",
-              "speed-up", "target", "verdict"]
+def add_memory_fraction(rows: list[dict], memory_gbps: float) -> None:
+    """At 64 MiB and above: every side's busbw as a fraction of the memory copy bandwidth."""
+    for row in rows:
+        if row["bytes"] >= 64 << 20:
+            row["busbw_fraction_of_memory_bandwidth"] = {
+                side: row[side]["busbw_gbps"] / memory_gbps for side in SIDES}
+
+
+def print_allreduce(np: int, rows: list[dict], tcp_gbps: float, memory_gbps: float) -> None:
+    header = ["size", "gloo ms", "tcp ms", "shm ms", "gloo busbw", "tcp busbw", "shm busbw",
+              "tcp/gloo time", "shm/gloo time", "shm speed-up", "target (shm)", "verdict",
+              "shm busbw/mem"]
     table = []
     for row in rows:
-        gloo, ours, target = row["gloo"], row["ours"], row["target_speedup"]
+        sides, target = [row[side] for side in SIDES], row["target_speedup"]
+        fraction = row.get("busbw_fraction_of_memory_bandwidth")
         table.append([
-            format_size(row["bytes"]), f"{gloo['median_s'] * 1e3:.3f}", f"{ours['median_s'] * 1e3:.3f}",
-            f"{gloo['busbw_gbps']:.3f}", f"{ours['busbw_gbps']:.3f}", f"{1 / row['speedup']:.2f}",
-            f"{row['speedup']:.2f}x", "-" if target is None else f">={target:.1f}x",
+            format_size(row["bytes"]),
+            *[f"{side['median_s'] * 1e3:.3f}" for side in sides],
+            *[f"{side['busbw_gbps']:.3f}" for side in sides],
+            *[f"{1 / row['speedup_vs_gloo'][side]:.3f}" for side in SIDES[1:]],
+            f"{row['speedup_vs_gloo'][TARGET_SIDE]:.2f}x", describe_target(row["bytes"], target),
             "-" if target is None else ("meets" if row["meets_target"] else "MISSES"),
+            "-" if fraction is None else f"{fraction[TARGET_SIDE]:.1%}",
         ])
-    print_table(f"allreduce sum float32, np={np}: median of the slowest rank; busbw GB/s "
-                f"(TCP loopback ceiling {ceiling_gbps:.2f} GB/s)", header, table)
+    print_table(f"allreduce sum float32, np={np}: median ms of the slowest rank; busbw GB/s "
+                f"(ceilings: TCP loopback {tcp_gbps:.2f} GB/s, memory copy {memory_gbps:.2f} GB/s)",
+                header, table)
 
 
 def print_small_tensors(result: dict) -> None:
-    gloo, ours = result["gloo"], result["ours"]
+    gloo, tcp, shm = (result[side] for side in SIDES)
     print_table(
         f"{result['count']} x {format_size(result['bytes'])} allreduces per round, np={result['np']}: "
-        f"median ms per round of the slowest rank (target: ours < {SMALL_TENSORS_TARGET_S * 1e3:.0f} ms)",
-        ["gloo ms", "ours ms", "ours/gloo time", "verdict"],
-        [[f"{gloo['median_s'] * 1e3:.2f}", f"{ours['median_s'] * 1e3:.2f}",
-          f"{ours['median_s'] / gloo['median_s']:.2f}", "meets" if result["meets_target"] else "MISSES"]])
+        "median ms per round of the slowest rank",
+        ["gloo ms", "tcp ms", "shm ms", "tcp/gloo time", "shm/gloo time", "target (shm)", "verdict"],
+        [[f"{gloo['median_s'] * 1e3:.2f}", f"{tcp['median_s'] * 1e3:.2f}",
+          f"{shm['median_s'] * 1e3:.2f}", f"{tcp['median_s'] / gloo['median_s']:.3f}",
+          f"{shm['median_s'] / gloo['median_s']:.3f}", f"<= {SMALL_TENSORS_TARGET_S * 1e3:g} ms",
+          "meets" if result["meets_target"] else "MISSES"]])
 
 
 def warn_about_spread(rows: list[dict], small: dict) -> None:
     measured = [(f"np={r['np']} {format_size(r['bytes'])} {side}", r[side])
-                for r in rows for side in ("gloo", "ours")]
-    measured += [(f"small tensors {side}", small[side]) for side in ("gloo", "ours")]
+                for r in rows for side in SIDES]
+    measured += [(f"small tensors {side}", small[side]) for side in SIDES]
     for label, summary in measured:
         if spread(summary) > SPREAD_WARNING:
             print(f"note: {label} varied: middle half of iterations spans {spread(summary):.0%} "
@@ -263,19 +355,35 @@ def main() -> None:
     print(f"TCP loopback, one stream of {format_size(TCP_MESSAGE_BYTES)} sendall/recv_into: "
           f"median {ceiling['median_gbps']:.2f} GB/s (min {ceiling['min_gbps']:.2f}, "
           f"max {ceiling['max_gbps']:.2f})")
+    memory = {"start": measure_memory(args.memory_copies)}
+    print_memory("at the start", memory["start"])
     rows = []
     for np in args.np:
-        rows_for_np = compare_allreduce(np, args.sizes, args.iterations, args.repeats)
-        print_allreduce(np, rows_for_np, ceiling["median_gbps"])
-        rows += rows_for_np
+        rows += compare_allreduce(np, args.sizes, args.iterations, args.repeats)
     small = compare_small_tensors(args.small_rounds, args.repeats)
+    memory["end"] = measure_memory(args.memory_copies)
+    print_memory("at the end", memory["end"])
+    # The machine's memory bandwidth: the fastest copy seen, whichever thread count and time.
+    memory_gbps = max(m["best_gbps"] for when in memory.values() for m in when.values())
+    add_memory_fraction(rows, memory_gbps)
+    for np in args.np:
+        print_allreduce(np, [row for row in rows if row["np"] == np], ceiling["median_gbps"],
+                        memory_gbps)
     print_small_tensors(small)
     warn_about_spread(rows, small)
     path = write_results("allreduce", {
         "settings": {"sizes": args.sizes, "np": args.np, "iterations": args.iterations,
                      "repeats": args.repeats, "quick": args.quick, "torch_threads_per_rank": 1,
-                     "dtype": "float32", "op": "sum", "bandwidth_unit": "GB/s = 1e9 bytes/s"},
-        "tcp_loopback": ceiling, "allreduce": rows, "small_tensors": small,
+                     "dtype": "float32", "op": "sum", "bandwidth_unit": "GB/s = 1e9 bytes/s",
+                     "sides": {"gloo": "torch.distributed, gloo backend",
+                               "ours_tcp": "ddl_magic with DDL_MAGIC_TRANSPORT=tcp",
+                               "ours_shm": "ddl_magic as installed (DDL_MAGIC_TRANSPORT unset: "
+                                           "shared memory on one host)"},
+                     "order": "interleaved: gloo, ours_tcp, ours_shm, then again per repeat"},
+        "tcp_loopback": ceiling,
+        "memory_bandwidth": {**memory, "reference_gbps": memory_gbps,
+                             "reference": "the fastest copy_, any thread count, start or end"},
+        "allreduce": rows, "small_tensors": small,
         "load_average_before": load_before, "wall_s": time.perf_counter() - started,
     })
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
@@ -296,8 +404,8 @@ def parse_arguments() -> argparse.Namespace:
                         help="runs of each side, interleaved; the least disturbed is reported "
                              "(default 2)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: np 2, sizes 4KiB 1MiB 16MiB, one repeat, a fifth of the "
-                             "iterations")
+                        help=f"smoke run: np 2, sizes {' '.join(QUICK_SIZES)}, one repeat, a fifth "
+                             "of the iterations")
     args = parser.parse_args()
     shrink = 5 if args.quick else 1
     args.np = args.np or ([2] if args.quick else list(WORLD_SIZES))
@@ -307,6 +415,7 @@ def parse_arguments() -> argparse.Namespace:
     args.small_rounds = args.small_rounds or 25 // shrink
     args.repeats = args.repeats or (1 if args.quick else 2)
     args.tcp_messages = TCP_MESSAGES // shrink
+    args.memory_copies = MEMORY_COPIES // shrink
     return args
 
 

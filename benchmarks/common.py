@@ -3,7 +3,9 @@
 Both sides of a comparison run the same rank function shape, started two ways:
 
 - ``run_ours(fn, np, **kwargs)``: ranks started by ddl_magic's own launcher (``Job`` with a
-  ``LocalLauncher``), as ``ddlrun`` would; ``fn`` calls ``hvd.init()`` itself;
+  ``LocalLauncher``), as ``ddlrun`` would; ``fn`` calls ``hvd.init()`` itself
+  (``run_ours_with`` also sets environment variables on the ranks, e.g. the transport, and
+  can record a timeline);
 - ``run_gloo(fn, np, **kwargs)``: ranks spawned with ``torch.multiprocessing``, each joining a
   ``torch.distributed`` gloo group on 127.0.0.1 before ``fn`` runs.
 
@@ -67,12 +69,26 @@ def format_size(nbytes: int) -> str:
 
 def run_ours(fn: Callable[..., Any], np: int, **kwargs) -> list[Any]:
     """Run `fn(**kwargs)` on `np` ranks started by ddl_magic's launcher; every rank's return value."""
+    return run_ours_with(fn, np, kwargs)
+
+
+def run_ours_with(fn: Callable[..., Any], np: int, kwargs: dict[str, Any],
+                  env: dict[str, str] | None = None, timeline_path: str | None = None) -> list[Any]:
+    """`run_ours`, with environment variables set on every rank before `fn` runs, and a timeline.
+
+    `env` reaches the ranks before ``hvd.init()`` (``JobOptions.env``), so it can choose the
+    transport, e.g. ``{"DDL_MAGIC_TRANSPORT": "tcp"}``; `timeline_path` records every rank's
+    timeline into one Chrome trace there.
+
+    >>> run_ours_with(fn, 2, {"sizes": [4096]}, env={"DDL_MAGIC_TRANSPORT": "tcp"})  # doctest: +SKIP
+    """
     from ddl_magic.job import Job, JobOptions
     from ddl_magic.launch.local import LocalLauncher
     from ddl_magic.tasks import FunctionTask
 
     job = Job(FunctionTask(fn, kwargs), np, LocalLauncher(),
-              JobOptions(timeout_s=RANK_TIMEOUT_S, hide_output=True, return_all=True))
+              JobOptions(timeout_s=RANK_TIMEOUT_S, hide_output=True, return_all=True,
+                         env=dict(env or {}), timeline_path=timeline_path))
     closing_lines = io.StringIO()  # "==== done: ..." after every run would break up the tables
     try:
         with contextlib.redirect_stdout(closing_lines):
@@ -80,6 +96,19 @@ def run_ours(fn: Callable[..., Any], np: int, **kwargs) -> list[Any]:
     except BaseException:
         print(closing_lines.getvalue(), end="")
         raise
+
+
+def init_rank_using(transport: str) -> None:
+    """hvd.init() on one torch thread; refuse to measure if the run moves data another way."""
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+
+    torch.set_num_threads(1)
+    hvd.init()
+    used = context.current("benchmark").transport
+    if used != transport:
+        raise RuntimeError(f"rank {hvd.rank()}: this side measures transport {transport!r}, but "
+                           f"the run uses {used!r}")
 
 
 def run_gloo(fn: Callable[..., Any], np: int, **kwargs) -> list[Any]:

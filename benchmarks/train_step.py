@@ -1,20 +1,28 @@
 """A data-parallel training step: ``hvd.DistributedOptimizer`` against torch DDP on gloo.
 
-    python benchmarks/train_step.py            # np 1 and 2, 300 timed steps each
-    python benchmarks/train_step.py --quick    # smoke run: 50 timed steps, one repeat
+    python benchmarks/train_step.py                    # both workloads, np 1 and 2, 300 timed steps
+    python benchmarks/train_step.py --quick            # smoke run: 50 timed steps, one repeat
+    python benchmarks/train_step.py --workload iris    # one workload only
 
-The model is an MLP 784-512-512-10 (about 670k parameters, 2.7 MB of gradients) trained
-with SGD on MNIST-shaped synthetic batches of 64 per rank, one torch thread per rank. Each
-rank times every step (zero_grad, forward, backward, step) after a warm-up; each side runs
-twice, interleaved with the other, and the report takes the less disturbed run's slowest-rank
+Two workloads, both MLPs trained on synthetic batches, one torch thread per rank:
+
+- ``mlp``: 784-512-512-10 (about 670k parameters, 2.7 MB of gradients), SGD with momentum,
+  MNIST-shaped batches of 64 per rank: the bytes on the wire matter.
+- ``iris``: 4-5-4-3 (83 parameters), Adam, batches of 8 per rank: the step is under a
+  millisecond, so what matters is the fixed cost of every allreduce.
+
+Each rank times every step (zero_grad, forward, backward, step) after a warm-up; DDP and
+ours run twice each, interleaved, and the report takes the less disturbed run's slowest-rank
 median, the ratio ours/DDP, and the scaling efficiency
 
     throughput at np=2 / (2 x throughput at np=1)  =  step time at np=1 / step time at np=2
 
 (the batch per rank is fixed, so two ranks process twice the samples per step). A plain
-single-process step without any wrapper is measured too, as the floor at np=1.
+single-process step without any wrapper is measured too: the floor at np=1, and for the Iris
+MLP part of the target (a tiny model should hardly pay for being distributed). Targets, at
+np=2: MLP ours <= 0.5x DDP; Iris ours <= 0.6x DDP and <= 1.5x the plain step.
 
-Prints a table and writes ``benchmarks/results/train_step.json``.
+Prints a table per workload and writes ``benchmarks/results/train_step.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,32 +41,71 @@ from common import (best_of, interleaved, print_table, run_gloo, run_ours, slowe
                     time_iterations, warn_if_busy, write_results)
 
 WORLD_SIZES = (1, 2)
-BATCH_PER_RANK = 64
-LAYERS = (784, 512, 512, 10)
 BATCHES_IN_ROTATION = 8
-TARGET_OURS_OVER_DDP = 1.0
 SPREAD_WARNING = 0.25
 
 
-def mlp() -> nn.Module:
+def sgd(model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01 * world_size, momentum=0.9)
+
+
+def adam(model: nn.Module, world_size: int) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its optimizer and batch, and what ours must reach against them at np=2."""
+
+    name: str
+    layers: tuple[int, ...]
+    batch_per_rank: int
+    optimizer: Callable[[nn.Module, int], torch.optim.Optimizer]  # (model, world size)
+    optimizer_description: str
+    target_ours_over_ddp: float
+    target_ours_over_plain: float | None = None
+
+    @property
+    def title(self) -> str:
+        return (f"MLP {'-'.join(map(str, self.layers))}, batch {self.batch_per_rank} per rank, "
+                f"{self.optimizer_description}")
+
+    def settings(self) -> dict:
+        """What the JSON records about the workload (the optimizer as words)."""
+        return {"layers": self.layers, "batch_per_rank": self.batch_per_rank,
+                "optimizer": self.optimizer_description, "target_ours_over_ddp": self.target_ours_over_ddp,
+                "target_ours_over_plain": self.target_ours_over_plain}
+
+
+WORKLOADS = {workload.name: workload for workload in (
+    Workload("mlp", (784, 512, 512, 10), 64, sgd, "SGD lr 0.01 x size, momentum 0.9", 0.5),
+    Workload("iris", (4, 5, 4, 3), 8, adam, "Adam lr 0.01", 0.6, 1.5),
+)}
+# The MLP's step is also the one timeline_overhead.py times.
+LAYERS, BATCH_PER_RANK = WORKLOADS["mlp"].layers, WORKLOADS["mlp"].batch_per_rank
+
+
+def mlp(layers: tuple[int, ...] = LAYERS) -> nn.Module:
     torch.manual_seed(0)  # every rank starts from the same weights
-    layers: list[nn.Module] = []
-    for inputs, outputs in itertools.pairwise(LAYERS):
-        layers += [nn.Linear(inputs, outputs), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
+    modules: list[nn.Module] = []
+    for inputs, outputs in itertools.pairwise(layers):
+        modules += [nn.Linear(inputs, outputs), nn.ReLU()]
+    return nn.Sequential(*modules[:-1])
 
 
-def synthetic_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """MNIST-shaped batches, different on every rank, as a sharded data set would give."""
+def synthetic_batches(rank: int, workload: Workload) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches shaped like the workload's data, different on every rank, as a sharded data set would give."""
     generator = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.rand(BATCH_PER_RANK, LAYERS[0], generator=generator),
-             torch.randint(0, LAYERS[-1], (BATCH_PER_RANK,), generator=generator))
+    features, classes = workload.layers[0], workload.layers[-1]
+    return [(torch.rand(workload.batch_per_rank, features, generator=generator),
+             torch.randint(0, classes, (workload.batch_per_rank,), generator=generator))
             for _ in range(BATCHES_IN_ROTATION)]
 
 
-def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int):
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                  workload: Workload = WORKLOADS["mlp"]):
     """A function running one training step on this rank's next synthetic batch."""
-    batches = synthetic_batches(rank)
+    batches = synthetic_batches(rank, workload)
     loss_fn = nn.CrossEntropyLoss()
     step_number = 0
 
@@ -71,55 +120,70 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int)
     return train_step
 
 
-def time_training(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, barrier,
-                  steps: int, warmup: int) -> dict:
+def time_training(workload: Workload, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                  barrier, steps: int, warmup: int) -> dict:
     """Time `steps` training steps; the summary carries a checksum of the final weights."""
-    train_step = training_step(model, optimizer, rank)
+    train_step = training_step(model, optimizer, rank, workload)
     summary = summarize(time_iterations(train_step, barrier, steps, warmup))
     summary["weights_checksum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
     return summary
 
 
-def sgd(model: nn.Module, world_size: int) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=0.01 * world_size, momentum=0.9)
-
-
-def ours_training(steps: int, warmup: int) -> dict:
+def ours_training(workload: str, steps: int, warmup: int) -> dict:
     import ddl_magic.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
-    model = mlp()
-    optimizer = hvd.DistributedOptimizer(sgd(model, hvd.size()),
+    chosen = WORKLOADS[workload]
+    model = mlp(chosen.layers)
+    optimizer = hvd.DistributedOptimizer(chosen.optimizer(model, hvd.size()),
                                          named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    return time_training(model, optimizer, hvd.rank(), hvd.barrier, steps, warmup)
+    return time_training(chosen, model, optimizer, hvd.rank(), hvd.barrier, steps, warmup)
 
 
-def ddp_training(steps: int, warmup: int) -> dict:
-    model = nn.parallel.DistributedDataParallel(mlp())
-    return time_training(model, sgd(model, dist.get_world_size()), dist.get_rank(), dist.barrier,
-                         steps, warmup)
+def ddp_training(workload: str, steps: int, warmup: int) -> dict:
+    chosen = WORKLOADS[workload]
+    model = nn.parallel.DistributedDataParallel(mlp(chosen.layers))
+    return time_training(chosen, model, chosen.optimizer(model, dist.get_world_size()), dist.get_rank(),
+                         dist.barrier, steps, warmup)
 
 
-def plain_training(steps: int, warmup: int) -> dict:
+def plain_training(workload: str, steps: int, warmup: int) -> dict:
     """No wrapper at all: what one process needs for the step itself."""
-    model = mlp()
-    return time_training(model, sgd(model, 1), 0, lambda: None, steps, warmup)
+    chosen = WORKLOADS[workload]
+    model = mlp(chosen.layers)
+    return time_training(chosen, model, chosen.optimizer(model, 1), 0, lambda: None, steps, warmup)
 
 
 # ---- the driver ---------------------------------------------------------------------------
 
-def measure(np: int, steps: int, warmup: int, repeats: int) -> dict:
+def benchmark(workload: Workload, args: argparse.Namespace) -> dict:
+    """The plain step, a row per world size (DDP and ours), and the scaling efficiency."""
+    runs = {"workload": workload.name, "steps": args.steps, "warmup": args.warmup}
+    plain = best_of([run_gloo(plain_training, 1, **runs)[0] for _ in range(args.repeats)])
+    rows = [measure(workload, np, plain, args.repeats, runs) for np in args.np]
+    efficiency = {side: scaling_efficiency(rows, side) for side in ("ddp", "ours")}
+    return {"plain_step": plain, "results": rows, "scaling_efficiency": efficiency}
+
+
+def measure(workload: Workload, np: int, plain: dict, repeats: int, runs: dict) -> dict:
     ddp_runs, ours_runs = interleaved(repeats,
-                                      lambda: run_gloo(ddp_training, np, steps=steps, warmup=warmup),
-                                      lambda: run_ours(ours_training, np, steps=steps, warmup=warmup))
+                                      lambda: run_gloo(ddp_training, np, **runs),
+                                      lambda: run_ours(ours_training, np, **runs))
     ddp = best_of([slowest_rank(ranks) for ranks in ddp_runs])
     ours = best_of([slowest_rank(ranks) for ranks in ours_runs])
-    ratio = ours["median_s"] / ddp["median_s"]
-    return {"np": np, "ddp": ddp, "ours": ours, "ours_over_ddp": ratio,
-            "meets_target": ratio <= TARGET_OURS_OVER_DDP,
-            "ranks_in_sync": {"ddp": all(map(in_sync, ddp_runs)), "ours": all(map(in_sync, ours_runs))}}
+    row = {"np": np, "ddp": ddp, "ours": ours, "ours_over_ddp": ours["median_s"] / ddp["median_s"],
+           "ours_over_plain": ours["median_s"] / plain["median_s"],
+           "ranks_in_sync": {"ddp": all(map(in_sync, ddp_runs)), "ours": all(map(in_sync, ours_runs))}}
+    row["meets_target"] = meets_target(workload, row) if np == 2 else None
+    return row
+
+
+def meets_target(workload: Workload, row: dict) -> bool:
+    return (row["ours_over_ddp"] <= workload.target_ours_over_ddp
+            and (workload.target_ours_over_plain is None
+                 or row["ours_over_plain"] <= workload.target_ours_over_plain))
 
 
 def in_sync(rank_summaries: list[dict]) -> bool:
@@ -133,19 +197,24 @@ def scaling_efficiency(rows: list[dict], side: str) -> float | None:
     return by_np[1] / by_np[2] if 1 in by_np and 2 in by_np else None
 
 
-def print_results(rows: list[dict], plain: dict, efficiency: dict) -> None:
-    table = [[str(row["np"]), f"{row['ddp']['median_s'] * 1e3:.2f}",
-              f"{row['ours']['median_s'] * 1e3:.2f}", f"{row['ours_over_ddp']:.2f}",
-              f"<={TARGET_OURS_OVER_DDP:.1f}", "meets" if row["meets_target"] else "MISSES"]
-             for row in rows]
-    print_table(f"train step, MLP {'-'.join(map(str, LAYERS))}, batch {BATCH_PER_RANK} per rank, "
-                "SGD: median ms of the slowest rank",
-                ["np", "DDP ms", "ours ms", "ours/DDP", "target", "verdict"], table)
-    print(f"plain step without a wrapper (one process): {plain['median_s'] * 1e3:.2f} ms")
+def print_results(workload: Workload, measured: dict) -> None:
+    def target(value: float | None, applies: bool) -> str:
+        return f"<={value:.1f}" if value is not None and applies else "-"
+
+    verdicts = {True: "meets", False: "MISSES", None: ""}
+    table = [[str(row["np"]), f"{row['ddp']['median_s'] * 1e3:.2f}", f"{row['ours']['median_s'] * 1e3:.2f}",
+              f"{row['ours_over_ddp']:.2f}", target(workload.target_ours_over_ddp, row["np"] == 2),
+              f"{row['ours_over_plain']:.2f}", target(workload.target_ours_over_plain, row["np"] == 2),
+              verdicts[row["meets_target"]]]
+             for row in measured["results"]]
+    print_table(f"train step, {workload.title}: median ms of the slowest rank",
+                ["np", "DDP ms", "ours ms", "ours/DDP", "target", "ours/plain", "target", "verdict"], table)
+    print(f"plain step without a wrapper (one process): {measured['plain_step']['median_s'] * 1e3:.2f} ms")
+    efficiency = measured["scaling_efficiency"]
     if efficiency["ours"] is not None:
         print(f"scaling efficiency np=1 -> 2 (throughput at 2 / (2 x throughput at 1)): "
               f"DDP {efficiency['ddp']:.0%}, ours {efficiency['ours']:.0%}")
-    for row in rows:
+    for row in measured["results"]:
         for side in ("ddp", "ours"):
             if not row["ranks_in_sync"][side]:
                 print(f"WARNING: {side} np={row['np']}: ranks ended with different weights")
@@ -158,18 +227,14 @@ def main() -> None:
     args = parse_arguments()
     started = time.perf_counter()
     load_before = warn_if_busy()
-    plain = best_of([run_gloo(plain_training, 1, steps=args.steps, warmup=args.warmup)[0]
-                     for _ in range(args.repeats)])
-    rows = [measure(np, args.steps, args.warmup, args.repeats) for np in args.np]
-    efficiency = {side: scaling_efficiency(rows, side) for side in ("ddp", "ours")}
-    print_results(rows, plain, efficiency)
+    measured = {}
+    for name in args.workload:
+        measured[name] = benchmark(WORKLOADS[name], args)
+        print_results(WORKLOADS[name], measured[name])
     path = write_results("train_step", {
-        "settings": {"layers": LAYERS, "batch_per_rank": BATCH_PER_RANK,
-                     "optimizer": "SGD momentum 0.9",
-                     "steps": args.steps, "warmup": args.warmup, "np": args.np, "repeats": args.repeats,
+        "settings": {"steps": args.steps, "warmup": args.warmup, "np": args.np, "repeats": args.repeats,
                      "torch_threads_per_rank": 1},
-        "plain_step": plain, "results": rows, "scaling_efficiency": efficiency,
-        "target_ours_over_ddp": TARGET_OURS_OVER_DDP,
+        "workloads": {name: {**WORKLOADS[name].settings(), **measured[name]} for name in args.workload},
         "load_average_before": load_before, "wall_s": time.perf_counter() - started,
     })
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
@@ -179,8 +244,10 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example: python benchmarks/train_step.py --np 2 --steps 500")
+    parser.add_argument("--workload", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+                        help="which workloads (default: all)")
     parser.add_argument("--np", type=int, nargs="+", default=list(WORLD_SIZES),
-                        help="world sizes (default 1 2; efficiency needs both)")
+                        help="world sizes (default 1 2; efficiency and the targets need 2)")
     parser.add_argument("--steps", type=int, help="timed steps per run (default 300, --quick 50)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
     parser.add_argument("--repeats", type=int,

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from .job import RankFailedError, RunTimeoutError
+from .launch.local import prewarm
 from .runner import HorovodRunner
 
 PASSING_ACCURACY = 0.9
@@ -103,6 +104,7 @@ def run_demo(np: int = 2, epochs: int = 150, timeline: str = "",
         >>> run_demo(np=2)                # doctest: +SKIP
         0
     """
+    prewarm()  # the rank factory imports torch while the driver gets ready
     print(f"ddl_magic demo: training an MLP on the Iris flowers on {np} local ranks "
           f"(HorovodRunner(np=-{np}), ring-allreduce, timeline on)")
     runner = HorovodRunner(np=-np, timeline=timeline, timeout=timeout)
