@@ -141,3 +141,53 @@ def test_a_rank_waiting_for_one_that_shut_down_is_told_so_not_left_to_time_out()
     message = run_on_ranks(wait_for_a_partner_that_leaves, 2, timeout_s=60,
                            env={"DDL_MAGIC_TIMEOUT": "600"})[0]
     assert "rank 1 has shut down" in message
+
+
+# ---- two ranks' groups in one process: the round protocol itself ----------------------------
+
+def group_pair() -> tuple[shared_memory.HostGroup, shared_memory.HostGroup]:
+    """Two local ranks' groups in this process, each mapping the other's segment."""
+    peers = (Peer(0, "host", ("127.0.0.1", 1)), Peer(1, "host", ("127.0.0.1", 2)))
+    segments = [shared_memory.Segment.create(), shared_memory.Segment.create()]
+    groups = []
+    for rank in (0, 1):
+        world = World(rank=rank, size=2, local_rank=rank, local_size=2, cross_rank=0,
+                      cross_size=1, peers=peers)
+        other = segments[1 - rank]
+        neighbour = shared_memory.Neighbour(1 - rank, shared_memory.Segment.open(os.getpid(), other.fd),
+                                            os.pidfd_open(os.getpid()))
+        groups.append(shared_memory.HostGroup(world, [0, 1], segments[rank], {1 - rank: neighbour},
+                                              op_timeout=60))
+    return groups[0], groups[1]
+
+
+def on_both(groups, work):
+    """`work(group)` on each group at once, one thread each; the two results."""
+    results: list = [None, None]
+
+    def run(index):
+        results[index] = work(groups[index])
+
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a round never completed"
+    return results
+
+
+def test_messages_longer_than_a_buffer_are_exchanged_in_several_rounds():
+    groups = group_pair()
+    long_message = os.urandom(shared_memory.BUFFER_BYTES * 2 + 12345)  # three rounds
+    messages = [long_message, b"short"]
+    results = on_both(groups, lambda group: group.exchange(messages[group.index]))
+    assert results == [messages, messages]
+    def allreduce(group):  # right after: the rounds are still in step
+        tensor = torch.full((10,), group.index + 1.0)
+        group.allreduce(tensor, "sum")
+        return tensor.tolist()
+
+    assert on_both(groups, allreduce) == [[3.0] * 10, [3.0] * 10]
+    for group in groups:
+        group.close()

@@ -52,6 +52,7 @@ import ctypes
 import mmap
 import os
 import select
+import struct
 import sys
 import time
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ BUFFER_BYTES = 8 << 20
 SMALL_BYTES = 128 << 10
 """Pieces up to this size are reduced by every rank over all buffers: one wait instead of two."""
 SPIN_S = 100e-6
-_LENGTH_BYTES = 8  # an exchanged message starts with its length
+_LENGTH = struct.Struct("<q")  # an exchanged message starts with its length
 SLEEP_SLICE_S = 0.05
 
 
@@ -130,6 +131,21 @@ class Segment:
 
     def view(self, buffer: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return self.buffers[buffer][:numel * dtype.itemsize].view(dtype)
+
+    # Messages (negotiation) go through the mapping directly: a few small tensor operations
+    # would cost more than the whole exchange.
+    def write_message(self, buffer: int, total_length: int, piece: bytes) -> None:
+        """A piece of a message of `total_length` bytes, in data buffer `buffer`."""
+        start = HEADER_BYTES + buffer * BUFFER_BYTES
+        _LENGTH.pack_into(self._map, start, total_length)
+        self._map[start + _LENGTH.size:start + _LENGTH.size + len(piece)] = piece
+
+    def message_length(self, buffer: int) -> int:
+        return _LENGTH.unpack_from(self._map, HEADER_BYTES + buffer * BUFFER_BYTES)[0]
+
+    def read_message(self, buffer: int, length: int) -> bytes:
+        start = HEADER_BYTES + buffer * BUFFER_BYTES + _LENGTH.size
+        return self._map[start:start + length]
 
     def close(self) -> None:
         """Let the memory go: it is unmapped when the last tensor viewing it is collected.
@@ -222,26 +238,20 @@ class HostGroup:
         Neighbours that have not started this round yet have their doorbells rung, so an
         idle one joins at once.
         """
-        capacity = BUFFER_BYTES - _LENGTH_BYTES
+        capacity = BUFFER_BYTES - _LENGTH.size
         received = [bytearray() for _ in self.ranks]
         lengths: list[int] = []
         offset = 0
         while not lengths or offset < max(lengths):
             buffer = self._next_buffer()
-            piece = message[offset:offset + capacity]
-            mine = self.own.buffers[buffer]
-            mine[:_LENGTH_BYTES].view(torch.int64)[0] = len(message)
-            if piece:
-                mine[_LENGTH_BYTES:_LENGTH_BYTES + len(piece)].numpy()[:] = memoryview(piece)
+            self.own.write_message(buffer, len(message), message[offset:offset + capacity])
             self._publish_and_wait(ring_late_neighbours=True)
             if not lengths:
-                lengths = [int(segment.buffers[buffer][:_LENGTH_BYTES].view(torch.int64)[0])
-                           for segment in self.segments]
+                lengths = [segment.message_length(buffer) for segment in self.segments]
             for index, segment in enumerate(self.segments):
                 take = min(capacity, lengths[index] - offset)
                 if take > 0:
-                    data = segment.buffers[buffer][_LENGTH_BYTES:_LENGTH_BYTES + take]
-                    received[index] += data.numpy().tobytes()
+                    received[index] += segment.read_message(buffer, take)
             offset += capacity
         return [bytes(data) for data in received]
 
