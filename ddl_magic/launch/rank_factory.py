@@ -61,9 +61,13 @@ class FrameReader:
 
 def serve() -> None:
     """The factory's loop: fork a rank per request, report every rank's exit."""
-    import torch  # noqa: F401  (the point of the factory: imported once, before any fork)
+    import torch  # the point of the factory: imported once, before any fork
 
     from .. import worker  # noqa: F401
+
+    # A process's first optimizer costs about 1.5 s: torch.optim imports torch's compiler
+    # stack on first use. Every rank builds one, so pay it here, once.
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
     child_exits_r, child_exits_w = os.pipe()
