@@ -48,8 +48,8 @@ TIMELINE_NAMES_LISTED = 16
 class CollectiveRunner:
     """Executes responses, reusing its fusion and scratch buffers between calls.
 
-    With a `host_group` that holds every rank, collectives go through shared memory;
-    otherwise through the TCP ring.
+    How the data moves (`moves_data_by`) follows from what `init()` could connect: a host
+    group holding every rank, a host group and a cross ring (hierarchical), or the ring alone.
     """
 
     def __init__(self, transport: RingTransport, host_group: HostGroup | None = None,
@@ -63,6 +63,13 @@ class CollectiveRunner:
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def moves_data_by(self) -> str:
+        """"none" (a world of one), "shm", "shm+tcp" (hierarchical) or "tcp"."""
+        if self.transport.world.size == 1:
+            return "none"
+        return "shm" if self._shared_memory else "shm+tcp" if self._hierarchical else "tcp"
 
     def run(self, response: Response, entries: list[Entry]) -> None:
         """Run `response` and write results into the entries' outputs."""

@@ -79,17 +79,14 @@ def init() -> Runtime:
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
         runner = CollectiveRunner(transport, host_group, cross)
-        whole_world_shares_memory = host_group is not None and host_group.size == world.size
-        if whole_world_shares_memory:
+        if runner.moves_data_by == "shm":  # one host: negotiate in lockstep through it too
             queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
                                                  settings.cycle_time_s, settings.stall_time_s,
                                                  settings.timeout_s)
         else:
             queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
                                settings.cycle_time_s, settings.stall_time_s)
-        moves_by = ("none" if world.size == 1 else "shm" if whole_world_shares_memory
-                    else "shm+tcp" if cross is not None else "tcp")
-        _runtime = Runtime(world, queue, moves_by)
+        _runtime = Runtime(world, queue, runner.moves_data_by)
         return _runtime
 
 
