@@ -167,6 +167,11 @@ class Neighbour:
     pidfd: int
 
 
+def _ended(neighbour: Neighbour) -> bool:
+    """Has the neighbour's process ended? (A pidfd turns readable then, reaped or not.)"""
+    return bool(select.select([neighbour.pidfd], [], [], 0)[0])
+
+
 class HostGroup:
     """The ranks of one host, and the collectives they run through shared memory.
 
@@ -268,7 +273,7 @@ class HostGroup:
     def check_neighbours(self) -> None:
         """Raise `PeerLostError` for a neighbour whose process has ended."""
         for neighbour in self.neighbours:
-            if select.select([neighbour.pidfd], [], [], 0)[0]:
+            if _ended(neighbour):
                 raise self._lost(neighbour, "its process ended")
 
     def _reduce_everywhere(self, piece: torch.Tensor, op: str) -> None:
@@ -345,7 +350,7 @@ class HostGroup:
             futex.wait(segment.progress_address, seen, SLEEP_SLICE_S)
             if segment.progress >= target:
                 return
-            if select.select([neighbour.pidfd], [], [], 0)[0]:
+            if _ended(neighbour):
                 raise self._lost(neighbour, "its process ended during a shared-memory collective")
             if time.monotonic() > deadline:
                 raise self._lost(neighbour, f"timed out after {self.op_timeout:.0f} s "
@@ -363,12 +368,6 @@ class HostGroup:
 
 # ---- forming the groups at init() ----------------------------------------------------------
 
-def host_ranks(world: World) -> list[int]:
-    """The ranks on this rank's host, as the rendezvous saw them, in rank order."""
-    host = world.peers[world.rank].host
-    return [peer.rank for peer in world.peers if peer.host == host]
-
-
 def connect_host_group(world: World, coordination: dict, choice: str,
                        op_timeout: float) -> HostGroup | None:
     """Map the segments of this rank's host neighbours; None where the ranks use TCP instead.
@@ -378,9 +377,9 @@ def connect_host_group(world: World, coordination: dict, choice: str,
     rank; whether it works is agreed over the coordination channels, so either every host
     uses it or none does, and `shm` that cannot work is an error on every rank.
     """
-    hosts = [peer.host for peer in world.peers]
-    if choice == "tcp" or len(set(hosts)) == len(hosts):  # no host has two ranks
+    if choice == "tcp" or len(world.hosts) == world.size:  # no host has two ranks
         return None
+    on_this_host = world.ranks_on(world.peers[world.rank].host)
     own = Segment.create() if supported() else None
     offers = _exchange(world, coordination, (os.getpid(), own.fd) if own else None, op_timeout)
     neighbours: dict[int, Neighbour] = {}
@@ -390,7 +389,7 @@ def connect_host_group(world: World, coordination: dict, choice: str,
                    f"this is {os.uname().sysname} on {os.uname().machine}")
     else:
         try:
-            for rank in host_ranks(world):
+            for rank in on_this_host:
                 if rank != world.rank:
                     pid, fd = offers[rank]
                     neighbours[rank] = Neighbour(rank, Segment.open(pid, fd), os.pidfd_open(pid))
@@ -416,7 +415,7 @@ def connect_host_group(world: World, coordination: dict, choice: str,
     for neighbour in neighbours.values():
         os.close(neighbour.segment.fd)
         neighbour.segment.fd = None
-    return HostGroup(world, host_ranks(world), own, neighbours, op_timeout)
+    return HostGroup(world, on_this_host, own, neighbours, op_timeout)
 
 
 def _exchange(world: World, coordination: dict, mine, timeout: float) -> list:

@@ -40,6 +40,10 @@ class World:
         """The run's hosts, in the order of their lowest rank."""
         return list(dict.fromkeys(peer.host for peer in self.peers))
 
+    def ranks_on(self, host: str) -> list[int]:
+        """The ranks the rendezvous saw on `host`, in rank order."""
+        return [peer.rank for peer in self.peers if peer.host == host]
+
     def ring_order(self) -> tuple[int, ...]:
         """Every rank, host by host: the ring then crosses between hosts only once per host.
 
@@ -52,21 +56,17 @@ class World:
         """
         if not self.peers:
             return (self.rank,)
-        return tuple(peer.rank for host in self.hosts for peer in self.peers if peer.host == host)
+        return tuple(rank for host in self.hosts for rank in self.ranks_on(host))
 
     def cross_ring_order(self) -> tuple[int, ...]:
         """The ranks with this rank's local_rank, one per host, host by host."""
-        ring = []
-        for host in self.hosts:
-            on_host = [peer.rank for peer in self.peers if peer.host == host]
-            if self.local_rank < len(on_host):
-                ring.append(on_host[self.local_rank])
-        return tuple(ring)
+        on_hosts = [self.ranks_on(host) for host in self.hosts]
+        return tuple(on_host[self.local_rank] for on_host in on_hosts if self.local_rank < len(on_host))
 
     @property
     def uniform_hosts(self) -> bool:
         """Several hosts, each with the same number (more than one) of ranks."""
-        sizes = {sum(1 for peer in self.peers if peer.host == host) for host in self.hosts}
+        sizes = {len(self.ranks_on(host)) for host in self.hosts}
         return len(self.hosts) > 1 and len(sizes) == 1 and sizes.pop() > 1
 
 
