@@ -1,8 +1,8 @@
 """The driver's control server: rendezvous, then the channel every rank reports through.
 
 Each rank connects, proves the run's secret, answers a few clock probes and registers its
-host and ring listener. Once all `np` ranks have registered, every rank receives the peer
-table and the task. From then on the server turns what ranks send into `ddl_magic.events`
+host and ring listener (rank 0 also a port it keeps for torch.distributed's store). Once all
+`np` ranks have registered, every rank receives the peer table, the task and that port. From then on the server turns what ranks send into `ddl_magic.events`
 on one queue, which the driver's main thread drains. A connection that fails the handshake
 is dropped without disturbing the run.
 """
@@ -38,6 +38,7 @@ class ControlServer:
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._registrations: dict[int, tuple] = {}
+        self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
         self._closed = False
         self._listener = socket.socket()
@@ -112,13 +113,15 @@ class ControlServer:
                 continue
             break
         channel.sock.settimeout(None)
-        _, rank, host, ring_address, pid = message
+        _, rank, host, ring_address, pid, torch_master = message
         with self._lock:
             if self._closed or not 0 <= rank < self.np or rank in self._registrations:
                 channel.send(("abort", f"rank {rank} is not expected in this run"))
                 return None
             self._channels[rank] = channel
             self._registrations[rank] = (rank, host, tuple(ring_address))
+            if rank == 0:
+                self._torch_master = tuple(torch_master)
             everyone_here = len(self._registrations) == self.np
         self.events.put(RankStarted(rank, host, pid))
         if everyone_here:
@@ -130,7 +133,7 @@ class ControlServer:
             peers = [self._registrations[rank] for rank in range(self.np)]
             channels = dict(self._channels)
         for rank, channel in channels.items():
-            channel.send(("start", peers, self._task, self._settings))
+            channel.send(("start", peers, self._task, self._settings, self._torch_master))
 
     def _relay(self, channel: Channel, rank: int) -> None:
         host = self._registrations[rank][1]

@@ -154,7 +154,7 @@ class Job:
         env = {**options.env, TRANSPORT_VARIABLE: transport}
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
-        settings = {"env": env, "timeline": timeline_path is not None,
+        settings = {"env": env, "run_id": run_id, "timeline": timeline_path is not None,
                     "return_all": options.return_all}
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,

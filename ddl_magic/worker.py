@@ -3,6 +3,8 @@
     connect to the driver's control server and prove the run's secret
     measure the clock offset to the driver (for the timeline)
     register (host, ring listener) ──► receive the peer table and the task
+    set torchrun's and Horovod's environment (rank_environment.py), register the `ddl`
+    torch.distributed backend
     forward stdout/stderr line by line, ship timeline batches
     run the task ──► send its result, or the traceback
     exit; and exit at once if the driver aborts the run or goes away
@@ -28,10 +30,12 @@ import traceback
 import cloudpickle
 
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
+from .rank_environment import rank_environment, reserve_port
 from .runtime import context
 from .runtime.errors import HorovodInternalError
 from .runtime.timeline import recorder
-from .runtime.world import Peer
+from .runtime.world import Peer, derive_world
+from .torch import backend as torch_backend
 
 CONNECT_TIMEOUT_S = 30.0
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
@@ -69,25 +73,44 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
     advertised_ip = channel.sock.getsockname()[0]  # the address the driver reached us from
     listener.bind((advertised_ip, 0))
     listener.listen(64)
-    channel.send(("register", rank, _host_name(rank), listener.getsockname(), os.getpid()))
+    # Rank 0 keeps a port for torch.distributed's store (MASTER_PORT) until the task starts.
+    store_port = reserve_port() if rank == 0 else None
+    torch_master = (advertised_ip, store_port.getsockname()[1]) if store_port else None
+    channel.send(("register", rank, _host_name(rank), listener.getsockname(), os.getpid(),
+                  torch_master))
     message = channel.recv()
     if message[0] == "abort":
         return 1
-    _, peers, task_bytes, settings = message
+    _, peers, task_bytes, settings, torch_master = message
+    peers = [Peer(*p) for p in peers]
     os.environ.update(settings["env"])
-    context.bootstrap = context.RankBootstrap(rank, [Peer(*p) for p in peers], secret, listener)
+    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
+    context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)
+    torch_backend.register()
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
     if settings["timeline"]:
         start_timeline_shipping()
+    if store_port is not None:
+        store_port.close()
     with _ForwardedOutput(channel):
         exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
         if exit_code == 0:
-            context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
+            # after a failure the driver stops everyone; don't wait on peers
+            _destroy_open_process_group()
+            context.shutdown()
     stop_timeline_shipping()
     _leaving.set()
     channel.send(report)
     channel.close()
     return exit_code
+
+
+def _destroy_open_process_group() -> None:
+    """A torch.distributed process group the task left open is closed, as torchrun's end would."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _host_name(rank: int) -> str:

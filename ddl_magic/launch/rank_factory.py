@@ -86,7 +86,9 @@ def serve() -> None:
         if 0 in readable:
             messages = requests.read()
             if messages is None:
-                return  # the parent is gone
+                # The parent is gone. Skip the interpreter's teardown of torch (over a
+                # second), during which this process would still hold the parent's stderr.
+                os._exit(0)
             for request in messages:
                 pid = os.fork()
                 if pid == 0:

@@ -33,11 +33,14 @@ from .world import World
 class Handle:
     """An in-flight collective; `hvd.synchronize(handle)` waits for it and returns its output."""
 
-    __slots__ = ("name", "_queue", "_pending", "_output", "_error")
+    __slots__ = ("name", "_queue", "_pending", "_output", "_error", "_on_done")
 
-    def __init__(self, name: str, queue: "OpQueue"):
+    def __init__(self, name: str, queue: "OpQueue", on_done=None):
         self.name = name
         self._queue = queue
+        # Called with the handle once it completes, on the completing thread (the
+        # torch.distributed backend resolves a torch Future there).
+        self._on_done = on_done
         # Held until the collective completes: a bare lock is the cheapest thing to wait on,
         # and a burst of a thousand async calls creates a thousand of them.
         self._pending = _thread.allocate_lock()
@@ -59,6 +62,8 @@ class Handle:
     def _complete(self, output: torch.Tensor | None = None, error: BaseException | None = None):
         self._output, self._error = output, error
         self._pending.release()
+        if self._on_done is not None:
+            self._on_done(self)
 
 
 class OpQueue:
@@ -83,11 +88,13 @@ class OpQueue:
     # ---- the user's side --------------------------------------------------------------
 
     def submit(self, request: Request, tensor: torch.Tensor | None,
-               output: torch.Tensor | None, wait_follows: bool = False) -> Handle:
+               output: torch.Tensor | None, wait_follows: bool = False,
+               on_done=None) -> Handle:
         """Queue one collective. `wait_follows` says the caller will wait for it at once (as
         `optimizer.step()` does for the last gradients): then nothing needs to be woken up to
-        start it early, which spares a thread switch per step."""
-        handle = Handle(request.name, self)
+        start it early, which spares a thread switch per step. `on_done(handle)` is called
+        once it completes, on whichever thread completes it."""
+        handle = Handle(request.name, self, on_done)
         if self.world.size == 1:
             return self._run_alone(Entry(request, tensor, output, handle))
         with self._lock:

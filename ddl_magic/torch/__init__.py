@@ -16,6 +16,7 @@
 """
 
 from ..runtime.errors import HorovodInternalError
+from . import backend as _backend
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
@@ -26,6 +27,8 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   rank, shutdown, size, synchronize)
 from .optimizer import DistributedOptimizer
 from .timeline import start_timeline, stop_timeline, timeline_span
+
+_backend.register()  # dist.init_process_group("ddl") works wherever this is imported
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

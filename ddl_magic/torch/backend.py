@@ -1,0 +1,289 @@
+"""The `ddl` backend for torch.distributed: DDP and FSDP over ddl_magic's runtime.
+
+    import torch.distributed as dist
+    dist.init_process_group("ddl")          # in any rank ddl_magic launched
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Every rank ddl_magic launches has the backend registered before the user's code runs, and
+`import ddl_magic.torch` registers it anywhere else. Collectives then travel the same way as
+Horovod-style ones: negotiated, fused, through shared memory between ranks on one host and
+the TCP ring between hosts, and onto the run's timeline.
+
+torch.distributed numbers nothing: every rank simply calls the same collectives in the same
+order. ddl_magic's negotiation matches collectives by name, so each call is named by what it
+is (kind, dtype, size) and how many such calls came before it, counted modulo a small window:
+names repeat, which lets the negotiation's cache recognise a training step's collectives,
+and a name is reused only once its previous collective has completed.
+
+What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
+subset of the ranks. They raise an error that says so, so use `gloo` for such code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..runtime import context
+from ..runtime.negotiation import Request
+from ..runtime.op_queue import Handle
+from ..runtime.reduce_ops import ReduceOp
+
+BACKEND_NAME = "ddl"
+NAME_WINDOW = 8  # collectives of one kind, dtype and size that may be in flight at once
+
+_REDUCE_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+}
+
+
+def register() -> None:
+    """Make `init_process_group("ddl")` available in this process (harmless to call twice)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create_process_group, extended_api=True,
+                                      devices=["cpu", "cuda"])
+
+
+def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
+    runtime = context.init()
+    world = runtime.world
+    members = list(options.global_ranks_in_group) or list(range(options.group_size))
+    if members != list(range(world.size)) or options.group_rank != world.rank:
+        raise ValueError(
+            f"the ddl backend runs collectives over every rank of the run ({world.size}); this "
+            f"process group has ranks {members}. Create subgroups with a gloo backend, e.g. "
+            "dist.new_group(ranks, backend='gloo')")
+    return DdlProcessGroup(world.rank, world.size, str(options.group_id))
+
+
+class _Work(dist._Work):
+    """An in-flight collective as torch sees it: `wait()` takes part in running it (so a
+    blocking call needs no other thread), and its future resolves when it completes."""
+
+    def __init__(self, handles: list[Handle], future: Future):
+        super().__init__()
+        self._handles = handles
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        for handle in self._handles:
+            handle.wait()  # raises the collective's error, as gloo's wait() does
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+class DdlProcessGroup(dist.ProcessGroup):
+    """torch.distributed's collectives, each submitted to ddl_magic's op queue."""
+
+    def __init__(self, rank: int, size: int, group_id: str):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._prefix = f"ddl{group_id}"
+        self._calls: Counter = Counter()
+        self._in_flight: dict[str, Handle] = {}
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"DdlProcessGroup(rank={self._rank}, size={self._size})"
+
+    # ---- submitting ---------------------------------------------------------------------------
+
+    def _name(self, kind: str, tensor: torch.Tensor | None) -> str:
+        signature = (kind, tensor.dtype, tensor.numel()) if tensor is not None else (kind,)
+        count = self._calls[signature]
+        self._calls[signature] = count + 1
+        what = f"{str(tensor.dtype).replace('torch.', '')}[{tensor.numel()}]" if tensor is not None else ""
+        name = f"{self._prefix}.{kind}.{what}.{count % NAME_WINDOW}"
+        earlier = self._in_flight.get(name)
+        if earlier is not None and not earlier.done():
+            try:  # every rank submitted it before this one: it completes without us
+                earlier.wait()
+            except Exception:
+                pass  # its own Work reports the failure
+        return name
+
+    def _submit(self, api: str, kind: str, tensor: torch.Tensor | None,
+                output: torch.Tensor | None, finish, **fields) -> Handle:
+        """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
+        queue = context.current(f"torch.distributed.{api}").queue
+        name = self._name(kind, tensor)
+        shape = tuple(tensor.shape) if tensor is not None else ()
+        dtype = tensor.dtype if tensor is not None else torch.uint8
+        handle = queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output,
+                              on_done=finish)
+        self._in_flight[name] = handle
+        return handle
+
+    def _work(self, api: str, submissions, value) -> _Work:
+        """Submit `(kind, tensor, output, fields, after)` collectives; the future gets `value`
+        once all have completed and each `after(output)` has run."""
+        future = Future()
+        remaining = [len(submissions)]
+        failed = []
+
+        def finish(handle: Handle, after) -> None:
+            try:
+                output = handle.wait()  # complete: returns at once, or raises its error
+                if after is not None:
+                    after(output)
+            except Exception as exc:
+                failed.append(exc)
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                if failed:
+                    future.set_exception(failed[0])
+                else:
+                    future.set_result(value)
+
+        handles = [self._submit(api, kind, tensor, output,
+                                lambda handle, after=after: finish(handle, after), **fields)
+                   for kind, tensor, output, fields, after in submissions]
+        return _Work(handles, future)
+
+    # ---- what DDP and FSDP call ---------------------------------------------------------------
+
+    def allreduce(self, tensors, opts) -> _Work:
+        op = _reduce_op(opts.reduceOp, "all_reduce")
+        return self._work("all_reduce", [
+            ("allreduce", _contiguous(t, "all_reduce"), t, {"op": int(op)}, None) for t in tensors
+        ], tensors)
+
+    def allreduce_coalesced(self, tensors, opts) -> _Work:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts) -> _Work:
+        _check_rank(opts.rootRank, self._size, "broadcast")
+        return self._work("broadcast", [
+            ("broadcast", _contiguous(t, "broadcast"), t, {"root": int(opts.rootRank)}, None)
+            for t in tensors
+        ], tensors)
+
+    def allgather(self, output_lists, inputs, opts) -> _Work:
+        def scatter_into(outputs):
+            return lambda gathered: _copy_chunks(gathered, outputs)
+
+        return self._work("all_gather", [
+            ("allgather", t.detach().reshape(-1).contiguous(), None, {}, scatter_into(outputs))
+            for outputs, t in zip(output_lists, inputs)
+        ], output_lists)
+
+    def all_gather_single(self, output, input, opts) -> _Work:
+        return self._work("all_gather_single", [
+            ("allgather", input.detach().reshape(-1).contiguous(), None, {},
+             lambda gathered: output.view(-1).copy_(gathered))
+        ], [output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
+        return self._work("all_gather_single", [
+            ("allgather", i.detach().reshape(-1).contiguous(), None, {},
+             lambda gathered, o=o: o.view(-1).copy_(gathered))
+            for o, i in zip(outputs, inputs)
+        ], outputs)
+
+    def reduce_scatter_single(self, output, input, opts) -> _Work:
+        # An allreduce of the whole input, of which this rank keeps its part: twice the traffic
+        # of a ring reduce-scatter, until the runtime has one of its own.
+        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        part = output.numel()
+        start = self._rank * part
+        return self._work("reduce_scatter", [
+            ("allreduce", input.detach().reshape(-1).contiguous(), None, {"op": int(op)},
+             lambda reduced: output.view(-1).copy_(reduced[start:start + part]))
+        ], [output])
+
+    def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
+        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        submissions = []
+        for output, inputs in zip(outputs, input_lists):
+            whole = torch.cat([t.detach().reshape(-1) for t in inputs])
+            start = sum(t.numel() for t in inputs[:self._rank])
+            submissions.append(("allreduce", whole, None, {"op": int(op)},
+                                lambda reduced, output=output, start=start:
+                                output.view(-1).copy_(reduced[start:start + output.numel()])))
+        return self._work("reduce_scatter", submissions, outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _Work([h for w in works for h in w._handles],
+                     torch.futures.collect_all([w.get_future() for w in works]))
+
+    def reduce(self, tensors, opts) -> _Work:
+        _check_rank(opts.rootRank, self._size, "reduce")
+        op = _reduce_op(opts.reduceOp, "reduce")
+        keep = self._rank == opts.rootRank
+        return self._work("reduce", [
+            ("allreduce", t.detach().contiguous(), None, {"op": int(op)},
+             (lambda reduced, t=t: t.copy_(reduced)) if keep else None)
+            for t in tensors
+        ], tensors)
+
+    def barrier(self, opts=None) -> _Work:
+        return self._work("barrier", [("barrier", None, None, {}, None)], [])
+
+    # ---- what the runtime does not have: say so ---------------------------------------------
+
+    def _unsupported(self, call: str):
+        raise NotImplementedError(
+            f"torch.distributed.{call} is not supported by the ddl backend (it has allreduce, "
+            "broadcast, all_gather, reduce_scatter, reduce and barrier); use "
+            "dist.init_process_group('gloo') for code that needs it")
+
+    def all_to_all_single(self, *args, **kwargs):
+        self._unsupported("all_to_all_single")
+
+    def alltoall(self, *args, **kwargs):
+        self._unsupported("all_to_all")
+
+    def send(self, *args, **kwargs):
+        self._unsupported("send")
+
+    def recv(self, *args, **kwargs):
+        self._unsupported("recv")
+
+    def recv_anysource(self, *args, **kwargs):
+        self._unsupported("recv")
+
+    def gather(self, *args, **kwargs):
+        self._unsupported("gather")
+
+    def scatter(self, *args, **kwargs):
+        self._unsupported("scatter")
+
+
+def _reduce_op(op: dist.ReduceOp, call: str) -> ReduceOp:
+    kind = op.op  # torch hands over a ReduceOp object; its RedOpType says which
+    try:
+        return _REDUCE_OPS[kind]
+    except KeyError:
+        raise NotImplementedError(
+            f"torch.distributed.{call}: the ddl backend reduces with SUM, AVG, MIN, MAX or "
+            f"PRODUCT, not {kind.name}") from None
+
+
+def _check_rank(root: int, size: int, call: str) -> None:
+    if not 0 <= root < size:
+        raise ValueError(f"torch.distributed.{call}: rank {root} is not in this group of {size}")
+
+
+def _contiguous(tensor: torch.Tensor, call: str) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError(f"torch.distributed.{call} on the ddl backend needs contiguous tensors")
+    return tensor.detach()
+
+
+def _copy_chunks(gathered: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    start = 0
+    for output in outputs:
+        output.view(-1).copy_(gathered[start:start + output.numel()])
+        start += output.numel()
