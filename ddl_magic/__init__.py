@@ -6,14 +6,17 @@
     hvd.init()
     ...
 
-or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``.
+or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``; plain torch.distributed
+code (DDP, FSDP) runs the same way, or through pyspark's API:
+``TorchDistributor(num_processes=2, use_gpu=False).run(train, 0.01)``.
 """
 
 from .job import RankFailedError, RunResult, last_run
 from .runner import HorovodRunner
+from .torch_distributor import TorchDistributor
 
-__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "last_run", "load_ipython_extension",
-           "show_timeline"]
+__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "TorchDistributor", "last_run",
+           "load_ipython_extension", "show_timeline"]
 
 
 def show_timeline(path_or_run, **options) -> None:

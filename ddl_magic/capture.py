@@ -60,14 +60,15 @@ def capture_cell(source: str, namespace: dict) -> CapturedCell:
     return CapturedCell(payload, {name: _kind(value) for name, value in names.items()})
 
 
-def capture_function(function, kwargs: dict) -> bytes:
+def capture_function(function, kwargs: dict, args: tuple = ()) -> bytes:
     """The payload for `HorovodRunner.run(function, **kwargs)`, naming what cannot be pickled."""
     try:
-        return cloudpickle.dumps(FunctionTask(function, kwargs))
+        return cloudpickle.dumps(FunctionTask(function, kwargs, tuple(args)))
     except Exception as whole_error:
         name = getattr(function, "__name__", repr(function))
         used = inspect.getclosurevars(function) if inspect.isfunction(function) else None
-        for where, values in (("argument", kwargs),
+        positional = {f"#{i + 1}": value for i, value in enumerate(args)}
+        for where, values in (("argument", {**positional, **kwargs}),
                               ("variable", {**used.nonlocals, **used.globals} if used else {})):
             culprit = _first_unpicklable(values)
             if culprit is not None:

@@ -1,4 +1,5 @@
-"""What a rank runs: a function (HorovodRunner), a notebook cell (%%horovod) or a script (ddlrun).
+"""What a rank runs: a function (HorovodRunner, TorchDistributor), a notebook cell (%%horovod)
+or a script (ddlrun, TorchDistributor).
 
 A task is cloudpickled once on the driver and unpickled on every rank by the worker, which
 calls `run()` and sends the return value back.
@@ -16,13 +17,15 @@ from typing import Any, Callable
 
 @dataclass
 class FunctionTask:
-    """`main(**kwargs)`, as `HorovodRunner.run(main, **kwargs)` asks."""
+    """`main(*args, **kwargs)`, as `HorovodRunner.run(main, **kwargs)` and
+    `TorchDistributor.run(main, *args, **kwargs)` ask."""
 
     function: Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    args: tuple = ()
 
     def run(self) -> Any:
-        return self.function(**self.kwargs)
+        return self.function(*self.args, **self.kwargs)
 
 
 @dataclass

@@ -9,11 +9,12 @@ Every rank ddl_magic launches has the backend registered before the user's code 
 Horovod-style ones: negotiated, fused, through shared memory between ranks on one host and
 the TCP ring between hosts, and onto the run's timeline.
 
-torch.distributed numbers nothing: every rank simply calls the same collectives in the same
-order. ddl_magic's negotiation matches collectives by name, so each call is named by what it
-is (kind, dtype, size) and how many such calls came before it, counted modulo a small window:
-names repeat, which lets the negotiation's cache recognise a training step's collectives,
-and a name is reused only once its previous collective has completed.
+torch.distributed names nothing: every rank simply calls the same collectives in the same
+order. ddl_magic's negotiation matches collectives by name, so each call is named by its kind
+and how many calls of that kind came before it, counted modulo a window: a training step's
+collectives come back under the same names, which the negotiation's cache recognises, and a
+name is reused only once its previous collective has completed. A rank that passes another
+shape than the others gets the negotiation's mismatch error, naming every rank's shape.
 
 What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
 subset of the ranks. They raise an error that says so, so use `gloo` for such code.
@@ -33,7 +34,7 @@ from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp
 
 BACKEND_NAME = "ddl"
-NAME_WINDOW = 8  # collectives of one kind, dtype and size that may be in flight at once
+NAME_WINDOW = 64  # collectives of one kind that may be in flight at once
 
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
@@ -99,12 +100,10 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     # ---- submitting ---------------------------------------------------------------------------
 
-    def _name(self, kind: str, tensor: torch.Tensor | None) -> str:
-        signature = (kind, tensor.dtype, tensor.numel()) if tensor is not None else (kind,)
-        count = self._calls[signature]
-        self._calls[signature] = count + 1
-        what = f"{str(tensor.dtype).replace('torch.', '')}[{tensor.numel()}]" if tensor is not None else ""
-        name = f"{self._prefix}.{kind}.{what}.{count % NAME_WINDOW}"
+    def _name(self, kind: str) -> str:
+        count = self._calls[kind]
+        self._calls[kind] = count + 1
+        name = f"{self._prefix}.{kind}.{count % NAME_WINDOW}"
         earlier = self._in_flight.get(name)
         if earlier is not None and not earlier.done():
             try:  # every rank submitted it before this one: it completes without us
@@ -117,7 +116,7 @@ class DdlProcessGroup(dist.ProcessGroup):
                 output: torch.Tensor | None, finish, **fields) -> Handle:
         """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
         queue = context.current(f"torch.distributed.{api}").queue
-        name = self._name(kind, tensor)
+        name = self._name(kind)
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = tensor.dtype if tensor is not None else torch.uint8
         handle = queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output,
