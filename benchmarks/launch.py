@@ -3,14 +3,16 @@
     python benchmarks/launch.py                # 5 runs of each side, interleaved (~2 minutes)
     python benchmarks/launch.py --repeats 2    # smoke run (~1 minute)
 
-The cell does nothing but start: join the group, sum four ones over the ranks, return them. What it
-costs is what a notebook user waits for before their own code runs. Five ways to run it on 2
-ranks, all in this process:
+The cell is plain torch.distributed code that does nothing but start: ``init_process_group("gloo")``
+from torchrun's environment, sum four ones over the ranks, return them. What it costs is what a
+notebook user waits for before their own code runs. Five ways to run it on 2 ranks, all in
+this process:
 
-1. ours, local: ``HorovodRunner(np=-2).run(ours_cell)``. Its first run is reported apart
-   ("cold"): it starts the rank factory, which imports torch, and runs before Spark starts so
-   that nothing else competes with it; the later runs fork ranks from the warm factory;
-2. ours, on Spark: ``HorovodRunner(np=2).run(ours_cell)``, two barrier tasks on the active
+1. ours, local: ``ddl_magic.TorchDistributor(num_processes=2, local_mode=True).run(cell)``.
+   Its first run is reported apart ("cold"): it starts the rank factory, which imports torch,
+   and runs before Spark starts so that nothing else competes with it; the later runs fork
+   ranks from the warm factory;
+2. ours, on Spark: the same with ``local_mode=False``: two barrier tasks on the active
    local[4] SparkSession, each starting a fresh rank process;
 3. pyspark's ``TorchDistributor(num_processes=2, local_mode=True)``: torchrun on the driver;
 4. ``TorchDistributor(num_processes=2, local_mode=False)``: one barrier task per rank, each
@@ -46,16 +48,7 @@ TARGET_SPARK_FRACTION = 1 / 5  # ours on Spark / TorchDistributor local_mode=Fal
 CELL_EXPECTED = [float(NP)] * 4  # a sum of ones over NP ranks: proves every rank took part
 
 
-# ---- the cell, both ways (module level: TorchDistributor pickles the function) -------------
-
-def ours_cell() -> list[float]:
-    import torch
-
-    import ddl_magic.torch as hvd
-
-    hvd.init()
-    return hvd.allreduce(torch.ones(4), op=hvd.Sum).tolist()
-
+# ---- the cell (module level: TorchDistributor pickles the function) -----------------------
 
 def gloo_cell() -> list[float]:
     import torch
@@ -89,16 +82,14 @@ def timed(run: Callable[[], Any], expected: Any | None) -> dict:
     return {"wall_s": wall_s}
 
 
-def ours_local() -> list[float]:
-    from ddl_magic import HorovodRunner
+def ours(local_mode: bool) -> Callable[[], list[float]]:
+    """ddl_magic's drop-in TorchDistributor: the same call, one import changed."""
+    def run() -> list[float]:
+        from ddl_magic import TorchDistributor
 
-    return HorovodRunner(np=-NP, driver_log_verbosity="log_callback_only").run(ours_cell)
+        return TorchDistributor(num_processes=NP, local_mode=local_mode, use_gpu=False).run(gloo_cell)
 
-
-def ours_spark() -> list[float]:
-    from ddl_magic import HorovodRunner
-
-    return HorovodRunner(np=NP, driver_log_verbosity="log_callback_only").run(ours_cell)
+    return run
 
 
 def torch_distributor(local_mode: bool) -> Callable[[], list[float]]:
@@ -180,7 +171,7 @@ def print_results(results: dict, ratios: list[dict], repeats: int) -> None:
             verdict = "meets" if entry["meets_target"] else "MISSES"
         rows.append([label, str(len(summary["runs_s"])), f"{summary['median_s']:.3f}",
                      f"{summary['min_s']:.3f}", f"{summary['max_s']:.3f}", vs, target, verdict])
-    print_table(f"trivial cell on np={NP} (init, sum of 4 ones, return): wall s per run, "
+    print_table(f"trivial DDP cell on np={NP} (init_process_group, all_reduce of 4 ones, return): wall s per run, "
                 f"median of {repeats} interleaved runs; vs = ours / TorchDistributor (same mode)",
                 ["side", "runs", "median s", "min s", "max s", "vs TD", "target", "verdict"], rows)
     for key, label in SIDES:
@@ -195,7 +186,7 @@ def main() -> None:
     load_before = warn_if_busy()
 
     # Cold first, with nothing else started yet: the rank factory imports torch during it.
-    cold = timed(ours_local, CELL_EXPECTED)
+    cold = timed(ours(local_mode=True), CELL_EXPECTED)
     loads = {"before": load_before, "after_cold_run": os.getloadavg()[0]}
 
     spark = start_spark()
@@ -205,9 +196,9 @@ def main() -> None:
 
     measured = interleaved(
         args.repeats,
-        lambda: timed(ours_local, CELL_EXPECTED),
+        lambda: timed(ours(local_mode=True), CELL_EXPECTED),
         lambda: timed(torch_distributor(local_mode=True), CELL_EXPECTED),
-        lambda: timed(ours_spark, CELL_EXPECTED),
+        lambda: timed(ours(local_mode=False), CELL_EXPECTED),
         lambda: timed(torch_distributor(local_mode=False), CELL_EXPECTED),
         lambda: timed(floor, [1] * NP),
     )

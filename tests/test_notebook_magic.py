@@ -77,6 +77,48 @@ def test_all_ranks_returns_every_ranks_value(kernel):
     assert out.result == "[0, 10, 20]"
 
 
+DDP_DATA = """
+import torch
+def ddp_model_and_data():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(48, 6, generator=g), torch.randint(0, 3, (48,), generator=g)
+def ddp_train(model, x, y, steps=5):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return sum(float(p.double().sum()) for p in model.parameters())
+alone = ddp_train(*ddp_model_and_data())
+"""
+
+DDP_CELL = """%%horovod -np {np} -o ddp_checksums
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("{backend}")   # torchrun's environment: nothing else to say
+rank, size = dist.get_rank(), dist.get_world_size()
+model, x, y = ddp_model_and_data()
+checksum = ddp_train(DistributedDataParallel(model), x[rank::size], y[rank::size])
+checksums = [None] * size
+dist.all_gather_object(checksums, checksum)
+checksums
+"""
+
+
+@pytest.mark.parametrize("np, backend", [(2, "gloo"), (2, "ddl"), (4, "ddl")])
+def test_plain_ddp_code_trains_in_a_cell_to_the_weights_of_one_process(kernel, np, backend):
+    setup = kernel.run(DDP_DATA)
+    assert setup.error is None, setup.error
+    out = kernel.run(DDP_CELL.format(np=np, backend=backend))
+    assert out.error is None, out.error
+    check = kernel.run("print(len(ddp_checksums), "
+                       "max(abs(c - alone) for c in ddp_checksums) < 1e-4 * max(1, abs(alone)))")
+    assert check.error is None, check.error
+    assert check.stdout.strip() == f"{np} True", (check.stdout, out.stdout)
+
+
 def test_output_lines_are_attributed_to_their_rank(kernel):
     out = kernel.run("%%horovod -np 2\n"
                      "import sys, logging\nimport ddl_magic.torch as hvd\nhvd.init()\n"
