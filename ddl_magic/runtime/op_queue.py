@@ -89,11 +89,13 @@ class OpQueue:
 
     def submit(self, request: Request, tensor: torch.Tensor | None,
                output: torch.Tensor | None, wait_follows: bool = False,
-               on_done=None) -> Handle:
+               on_done=None, fused: bool = False) -> Handle:
         """Queue one collective. `wait_follows` says the caller will wait for it at once (as
         `optimizer.step()` does for the last gradients): then nothing needs to be woken up to
-        start it early, which spares a thread switch per step. `on_done(handle)` is called
-        once it completes, on whichever thread completes it."""
+        start it early, which spares a thread switch per step. `fused` says the caller has
+        fused its tensors itself (DDP's buckets): waiting for more to fuse with would only
+        delay it. `on_done(handle)` is called once it completes, on whichever thread
+        completes it."""
         handle = Handle(request.name, self, on_done)
         if self.world.size == 1:
             return self._run_alone(Entry(request, tensor, output, handle))
@@ -101,8 +103,8 @@ class OpQueue:
             if self._failure is not None:
                 raise self._failure
             self._incoming.append(Entry(request, tensor, output, handle))
-            self._queued_locked()
-            wake = not wait_follows and self._wake_needed_locked()
+            self._queued_locked(fused)
+            wake = not wait_follows and self._wake_needed_locked(fused)
         if wake:
             self._wake()
         return handle
@@ -127,10 +129,10 @@ class OpQueue:
 
     # ---- what subclasses build on ------------------------------------------------------------
 
-    def _queued_locked(self) -> None:
-        """Called with `_lock` held after an entry was queued."""
+    def _queued_locked(self, fused: bool) -> None:
+        """Called with `_lock` held after an entry was queued (`fused`: see `submit`)."""
 
-    def _wake_needed_locked(self) -> bool:
+    def _wake_needed_locked(self, fused: bool) -> bool:
         """Called with `_lock` held: must `_wake` be called for what was just queued?"""
         return True
 

@@ -13,7 +13,8 @@ cycle is one that wants it:
 2. the background thread runs a cycle when work was submitted, nobody waits for it, and no
    more has been submitted for `cycle_time` (communication then overlaps the user's
    computation, and a burst of submissions fuses into one cycle instead of being cut into
-   many by a thread that competes with the submitting one for the GIL), and whenever a
+   many by a thread that competes with the submitting one for the GIL) — at once for work
+   its caller fused itself (DDP's buckets through the `ddl` backend) — and whenever a
    neighbour has started one: every rank takes part in every cycle;
 3. a rank that starts a cycle rings the doorbells of the neighbours that have not, so an
    idle rank joins at once.
@@ -60,6 +61,7 @@ class SharedMemoryOpQueue(OpQueue):
         self._first_unannounced: float | None = None
         self._last_unannounced = 0.0
         self._doorbell_rung = False  # under _lock: the background thread was told about it
+        self._fused_queued = False  # under _lock: some unannounced work needs no fusion window
         self._stopped = False
         self._thread.start()
 
@@ -92,15 +94,16 @@ class SharedMemoryOpQueue(OpQueue):
         self._thread.join(timeout=self._op_timeout)
         self._runner.close()
 
-    def _queued_locked(self) -> None:
+    def _queued_locked(self, fused: bool) -> None:
         self._last_unannounced = time.monotonic()
         if self._first_unannounced is None:
             self._first_unannounced = self._last_unannounced
+        self._fused_queued |= fused
 
-    def _wake_needed_locked(self) -> bool:
-        if self._doorbell_rung:
+    def _wake_needed_locked(self, fused: bool) -> bool:
+        if self._doorbell_rung and not fused:
             return False  # the background thread already knows there is work
-        self._doorbell_rung = True
+        self._doorbell_rung = True  # (fused work is due now: wake it even if it sleeps till later)
         return True
 
     def _wake(self) -> None:
@@ -108,6 +111,7 @@ class SharedMemoryOpQueue(OpQueue):
 
     def _taken_locked(self) -> None:
         self._first_unannounced = None
+        self._fused_queued = False
         self._doorbell_rung = False
 
     # ---- the background thread ----------------------------------------------------------
@@ -160,9 +164,11 @@ class SharedMemoryOpQueue(OpQueue):
         cycle time after the last submission, and at most `_MAX_WINDOWS` cycle times after the
         first (a steady trickle of submissions must not hold everything back)."""
         with self._lock:
-            first, last = self._first_unannounced, self._last_unannounced
+            first, last, fused = self._first_unannounced, self._last_unannounced, self._fused_queued
         if first is None:
             return SLEEP_SLICE_S
+        if fused:
+            return 0.0
         due = min(last + self._cycle_time_s, first + _MAX_WINDOWS * self._cycle_time_s)
         return max(0.0, due - time.monotonic())
 

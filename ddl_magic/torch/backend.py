@@ -15,6 +15,8 @@ and how many calls of that kind came before it, counted modulo a window: a train
 collectives come back under the same names, which the negotiation's cache recognises, and a
 name is reused only once its previous collective has completed. A rank that passes another
 shape than the others gets the negotiation's mismatch error, naming every rank's shape.
+Each collective starts as soon as every rank has submitted it, without the fusion window:
+DDP and FSDP fuse their tensors into buckets themselves.
 
 What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
 subset of the ranks. They raise an error that says so, so use `gloo` for such code.
@@ -120,7 +122,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         shape = tuple(tensor.shape) if tensor is not None else ()
         dtype = tensor.dtype if tensor is not None else torch.uint8
         handle = queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output,
-                              on_done=finish)
+                              on_done=finish, fused=True)
         self._in_flight[name] = handle
         return handle
 
