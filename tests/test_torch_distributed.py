@@ -204,3 +204,13 @@ def test_ddlrun_runs_plain_ddp_scripts(script):
                                 cwd=script.parent)
         assert result.returncode == 0, result.stderr
         assert "[1] rank 1 of 2 args [] total 1.0" in result.stdout
+
+
+def test_the_ddl_backend_outside_a_ddl_magic_launch_says_how_to_launch():
+    import torch.distributed as dist
+
+    import ddl_magic.torch  # noqa: F401 (registers the backend, as in a user's script)
+
+    with pytest.raises(RuntimeError, match="ddlrun -np N"):
+        dist.init_process_group("ddl", store=dist.HashStore(), rank=0, world_size=2)
+    assert not dist.is_initialized()

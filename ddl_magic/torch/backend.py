@@ -55,8 +55,12 @@ def register() -> None:
 
 
 def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
-    runtime = context.init()
-    world = runtime.world
+    if context.bootstrap is None and options.group_size > 1:
+        raise RuntimeError(
+            "the ddl backend needs ranks that ddl_magic started (%%horovod, HorovodRunner, "
+            "ddlrun, ddl_magic.TorchDistributor); this process was started otherwise (torchrun?): "
+            "launch it with `ddlrun -np N python script.py`, or use the gloo backend")
+    world = context.init().world
     members = list(options.global_ranks_in_group) or list(range(options.group_size))
     if members != list(range(world.size)) or options.group_rank != world.rank:
         raise ValueError(
