@@ -107,7 +107,7 @@ checksums
 """
 
 
-@pytest.mark.parametrize("np, backend", [(2, "gloo"), (2, "ddl"), (4, "ddl")])
+@pytest.mark.parametrize("np, backend", [(1, "ddl"), (2, "gloo"), (2, "ddl"), (3, "gloo"), (4, "ddl")])
 def test_plain_ddp_code_trains_in_a_cell_to_the_weights_of_one_process(kernel, np, backend):
     setup = kernel.run(DDP_DATA)
     assert setup.error is None, setup.error
