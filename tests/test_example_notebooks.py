@@ -142,3 +142,44 @@ slow_runs = waiting[waiting["run"] == "rank 1 sleeps"].set_index("rank")
     assert "rank 1 slept 1000 ms in all" in printed_text(notebook)
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs) >= 2
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_05_plain_ddp_learns_over_gloo_ddl_and_torch_distributor_and_ddl_shows_its_buckets():
+    notebook, report = run_notebook("05_plain_ddp.ipynb", """
+bucket_allreduces = ddl_events[(ddl_events["lane"] == "shared_memory")
+                               & ddl_events["name"].str.startswith("ddl0.allreduce")
+                               & (ddl_events["args"].map(lambda a: a.get("bytes")) == 115752)]
+{"runs": runs, "steps": STEPS, "gloo_events": len(gloo_events),
+ "lanes": sorted(set(ddl_events["lane"])),
+ "buckets": {str(rank): int(n) for rank, n in bucket_allreduces.groupby("rank").size().items()},
+ "first_calls": calls["call"].head(6).tolist(), "first_bytes": calls["bytes"].head(6).tolist()}
+""")
+    runs = report["runs"]
+    assert [run["backend"] for run in runs.values()] == ["gloo", "ddl", "gloo"]
+    for name, run in runs.items():
+        assert run["test accuracy"] >= 0.85 and run["loss"] < 0.6, (name, run)
+        assert len({rank["fingerprint"] for rank in run["ranks"]}) == 1, (name, run)
+    # gloo and ddl add the same two halves: bit for bit the same weights, as the lab says.
+    assert len({rank["fingerprint"] for run in runs.values() for rank in run["ranks"]}) == 1, runs
+    # gloo's collectives never reach ddl_magic's timeline; ddl's do, one bucket per step.
+    assert report["gloo_events"] == 0
+    assert report["lanes"] == ["negotiate", "shared_memory"]
+    assert report["buckets"] == {"0": report["steps"], "1": report["steps"]}
+    # DDP's protocol, read off the timeline in the order the lab explains it.
+    assert report["first_calls"] == ["ddl0.allgather.0", "ddl0.broadcast.0", "ddl0.broadcast.1",
+                                     "ddl0.allreduce.0", "ddl0.broadcast.2", "ddl0.broadcast.3"]
+    assert report["first_bytes"] == [16, 208, 115752, 115752, 28, 4]
+    text = printed_text(notebook)
+    assert "events on the gloo run's timeline: 0" in text
+    assert "ranks agree in every run: True; every run the same weights: True" in text
+    # Each %%horovod --timeline cell drew its timeline; the port is one import.
+    timeline_cells = [cell for cell in notebook.cells
+                      if cell.cell_type == "code" and cell.source.startswith("%%horovod -np 2 --timeline")]
+    assert len(timeline_cells) == 2
+    for cell in timeline_cells:
+        assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)
+    code = source_of(notebook, "code")
+    assert 'dist.init_process_group(backend)' in code and "DistributedDataParallel(" in code
+    assert "import ddl_magic.torch" not in code and "hvd." not in code  # plain torch.distributed
+    assert "from ddl_magic import TorchDistributor" in code
