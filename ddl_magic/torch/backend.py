@@ -82,6 +82,9 @@ class _Work(dist._Work):
     def wait(self, timeout=None) -> bool:
         for handle in self._handles:
             handle.wait()  # raises the collective's error, as gloo's wait() does
+        # The handles complete before their results are copied where torch wants them (an
+        # all_gather's output list, a reduce_scatter's part): the future is set after that.
+        self._future.wait()
         return True
 
     def get_future(self) -> Future:
