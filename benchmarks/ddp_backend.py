@@ -66,9 +66,9 @@ def timed_training(backend: str, wrapper: str, steps: int, warmup: int) -> dict:
     dist.init_process_group(backend)  # env://: the launcher's MASTER_ADDR, RANK, ...
     model = wrap(mlp(MLP.layers), wrapper)
     train_step = training_step(model, sgd(model, dist.get_world_size()), dist.get_rank(), MLP)
-    summary = summarize(time_iterations(train_step, dist.barrier, steps, warmup))
-    dist.destroy_process_group()
-    return summary
+    # The group is left open: it ends with the rank. Destroying it while DDP's reducer still
+    # holds it can deadlock on the GIL in torch's gloo (pytorch/pytorch#56297).
+    return summarize(time_iterations(train_step, dist.barrier, steps, warmup))
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, steps: int) -> None:
@@ -93,7 +93,6 @@ def trained_weights(backend: str, wrapper: str, steps: int) -> list[torch.Tensor
             weights = [p.detach().clone() for p in model.parameters()]
     else:
         weights = [p.detach().clone() for p in model.module.parameters()]
-    dist.destroy_process_group()
     return weights if rank == 0 else None
 
 

@@ -2,9 +2,10 @@
 
 Each rank connects, proves the run's secret, answers a few clock probes and registers its
 host and ring listener (rank 0 also a port it keeps for torch.distributed's store). Once all
-`np` ranks have registered, every rank receives the peer table, the task and that port. From then on the server turns what ranks send into `ddl_magic.events`
-on one queue, which the driver's main thread drains. A connection that fails the handshake
-is dropped without disturbing the run.
+`np` ranks have registered, every rank receives the peer table, the task and that port. From
+then on the server turns what ranks send into `ddl_magic.events` on one queue, which the
+driver's main thread drains. A connection that fails the handshake is dropped without
+disturbing the run.
 """
 
 from __future__ import annotations

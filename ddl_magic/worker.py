@@ -95,26 +95,16 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
     with _ForwardedOutput(channel):
         exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
         if exit_code == 0:
-            # after a failure the driver stops everyone; don't wait on peers
-            _destroy_open_process_group()
-            context.shutdown()
+            context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
+    # A torch.distributed process group the task left open ends with this process, which
+    # exits right after reporting. Destroying it here could hang: torch's gloo group can
+    # deadlock on the GIL when destroyed while its threads release finished work
+    # (pytorch/pytorch#56297).
     stop_timeline_shipping()
     _leaving.set()
     channel.send(report)
     channel.close()
     return exit_code
-
-
-def _destroy_open_process_group() -> None:
-    """A torch.distributed process group the task left open is closed, as torchrun's end would."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # the task succeeded: say so, but don't fail it for this
-            print(f"ddl_magic warning: closing the task's process group failed: {exc}",
-                  file=sys.stderr, flush=True)
 
 
 def _host_name(rank: int) -> str:

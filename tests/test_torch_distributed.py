@@ -132,19 +132,6 @@ def test_ddp_collectives_over_ddl_are_on_the_timeline(tmp_path):
     assert any("ddl0.allreduce" in label for label in labels), sorted(labels)[:20]
 
 
-def test_a_process_group_left_open_is_destroyed_when_the_task_ends(monkeypatch):
-    import torch.distributed as dist
-
-    from ddl_magic import worker
-
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "0")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    assert dist.is_initialized()
-    worker._destroy_open_process_group()
-    assert not dist.is_initialized()
-
-
 # ---- TorchDistributor ------------------------------------------------------------------------
 
 def add_ranks(offset, scale=1.0):
