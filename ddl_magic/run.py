@@ -5,13 +5,15 @@
 
 Every line a rank prints comes out prefixed with its rank (``[1] ...``). When one rank fails
 the others are stopped within seconds, its traceback is printed once, and ddlrun exits with
-that rank's exit code. Ctrl-C stops every rank.
+that rank's exit code. Ctrl-C (SIGINT) stops every rank, also when ddlrun was started with
+SIGINT ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .job import Job, JobOptions, RankFailedError, RunTimeoutError
@@ -60,6 +62,9 @@ def _script_task(command: list[str], parser: argparse.ArgumentParser) -> ScriptT
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C stops every rank even when ddlrun inherited SIGINT ignored (started as a
+    # background job, or by some CI runners): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.np < 1:

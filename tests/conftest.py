@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
+
 
 @pytest.fixture(scope="module")
 def spark():
@@ -26,3 +28,77 @@ def spark():
         session.sparkContext.setLogLevel("ERROR")
         yield session
         session.stop()
+
+
+# ---- no test leaves processes behind ---------------------------------------------------------
+
+LEFTOVER_GRACE_S = float(os.environ.get("DDL_MAGIC_TEST_LEFTOVER_GRACE_S", "10"))  # a run's ranks may still be on their way out when its test returns
+_FACTORY_COMMAND = "from ddl_magic.launch.rank_factory import serve"
+_MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark")
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Whatever a test starts — ddlrun, ranks, a kernel — is gone when it ends, pass or fail.
+
+    What outlives its test on purpose is left alone: a rank factory (one per driver process,
+    kept warm), Spark's JVM and its Python workers. Anything else still running
+    `LEFTOVER_GRACE_S` after the test is killed with its whole process tree, and the test
+    errors, naming it: a leak found, not hidden.
+    """
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = _new_processes(before)
+    if leftovers:
+        _, alive = psutil.wait_procs(leftovers, timeout=LEFTOVER_GRACE_S)
+        if alive:
+            named = [f"{p.pid} {_command(p)[:120]}" for p in alive]
+            for process in alive:
+                _kill_tree(process)
+            pytest.fail(f"processes still running {LEFTOVER_GRACE_S:g} s after the test (killed): "
+                        f"{named}")
+
+
+def _new_processes(before: set[int]) -> list:
+    import psutil
+
+    new = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if process.pid in before or process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            command = _command(process)
+            if any(marker in command for marker in _MAY_OUTLIVE_A_TEST):
+                continue
+            if _FACTORY_COMMAND in command and _FACTORY_COMMAND not in _command(process.parent()):
+                continue  # a rank factory; its children (same command line) are ranks
+            new.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return new
+
+
+def _command(process) -> str:
+    import psutil
+
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+        return ""
+
+
+def _kill_tree(process) -> None:
+    import psutil
+
+    try:
+        tree = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(tree, timeout=5)

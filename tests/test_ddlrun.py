@@ -72,9 +72,10 @@ def ddlrun(*args, cwd):
 class LiveDdlrun:
     """A ddlrun whose output is read line by line as it comes, to act on it mid-run."""
 
-    def __init__(self, *args, cwd):
+    def __init__(self, *args, cwd, sigint=signal.SIG_DFL):
         self.process = subprocess.Popen([sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -173,8 +174,10 @@ def test_killed_rank_stops_the_run_within_two_seconds_leaving_no_process(scripts
     assert not [pid for pid in ready.values() if process_exists(pid)]
 
 
-def test_ctrl_c_stops_every_rank(scripts):
-    run = LiveDdlrun("-np", "2", "python", "long_allreduce.py", cwd=scripts)
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_stops_every_rank(scripts, inherited):
+    # "ignored": as a background job of a script, or some CI runners, start it.
+    run = LiveDdlrun("-np", "2", "python", "long_allreduce.py", cwd=scripts, sigint=inherited)
     ready = run.ranks_ready(2)
     run.process.send_signal(signal.SIGINT)
     output = run.rest(timeout=10)
