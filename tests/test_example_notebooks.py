@@ -43,6 +43,11 @@ def printed_text(notebook: nbformat.NotebookNode) -> str:
                    for o in cell.get("outputs", []) if o.output_type == "stream")
 
 
+def shown_text(cell: nbformat.NotebookNode) -> str:
+    """What a code cell displayed as text, figures and tables included (their text/plain)."""
+    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+
+
 def source_of(notebook: nbformat.NotebookNode, kind: str) -> str:
     return "\n".join(cell.source for cell in notebook.cells if cell.cell_type == kind)
 
@@ -142,18 +147,24 @@ slow_runs = waiting[waiting["run"] == "rank 1 sleeps"].set_index("rank")
     assert "rank 1 slept 1000 ms in all" in printed_text(notebook)
     outputs = [o for cell in notebook.cells for o in cell.get("outputs", [])]
     assert sum("application/vnd.plotly.v1+json" in o.get("data", {}) for o in outputs) >= 2
+    # The summary under the last figure tells the lab's story first: the slow rank waits least.
+    summary = shown_text(notebook.cells[-2])
+    assert re.search(r"^Waited longest: rank [02] \(.*; shortest: rank 1 \(", summary, re.M), summary
+    assert "wait ms" in summary and "nan" not in summary.lower()
 
 
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 def test_05_plain_ddp_learns_over_gloo_ddl_and_torch_distributor_and_ddl_shows_its_buckets():
     notebook, report = run_notebook("05_plain_ddp.ipynb", """
+from ddl_magic.ui.timeline_viewer import format_summary, load_trace, summarize
 bucket_allreduces = ddl_events[(ddl_events["lane"] == "shared_memory")
                                & ddl_events["name"].str.startswith("ddl0.allreduce")
                                & (ddl_events["args"].map(lambda a: a.get("bytes")) == 115752)]
 {"runs": runs, "steps": STEPS, "gloo_events": len(gloo_events),
  "lanes": sorted(set(ddl_events["lane"])),
  "buckets": {str(rank): int(n) for rank, n in bucket_allreduces.groupby("rank").size().items()},
- "first_calls": calls["call"].head(6).tolist(), "first_bytes": calls["bytes"].head(6).tolist()}
+ "first_calls": calls["call"].head(6).tolist(), "first_bytes": calls["bytes"].head(6).tolist(),
+ "shown": format_summary(summarize(load_trace(f"{TRACES}/ddl.json"))).to_dict(orient="list")}
 """)
     runs = report["runs"]
     assert [run["backend"] for run in runs.values()] == ["gloo", "ddl", "gloo"]
@@ -179,6 +190,16 @@ bucket_allreduces = ddl_events[(ddl_events["lane"] == "shared_memory")
     assert len(timeline_cells) == 2
     for cell in timeline_cells:
         assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in cell.outputs)
+    # Under them, the summary as a report: "–" where the runtime packed nothing, and the bytes
+    # that ranks sharing memory moved counted on the bus (not 0, not NaN).
+    gloo_cell, ddl_cell = timeline_cells
+    assert "The timeline holds no events." in shown_text(gloo_cell)
+    assert re.search(r"^Waited longest: rank [01] \(", shown_text(ddl_cell), re.M)
+    shown = report["shown"]
+    assert shown["compute ms"] == ["–", "–"]
+    for column in ("bus MB", "bus GB/s", "communicate ms"):
+        assert all(re.fullmatch(r"[\d,]+(\.\d+)?", cell) and float(cell.replace(",", "")) > 0
+                   for cell in shown[column]), shown
     code = source_of(notebook, "code")
     assert 'dist.init_process_group(backend)' in code and "DistributedDataParallel(" in code
     assert "import ddl_magic.torch" not in code and "hvd." not in code  # plain torch.distributed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from ddl_magic.trace_writer import TraceWriter
 from ddl_magic.ui.timeline_viewer import (
     TraceData,
     build_figure,
+    format_summary,
     lane_category,
     load_trace,
     show_timeline,
@@ -282,7 +284,7 @@ def test_summary_of_a_hand_made_trace(tmp_path: Path) -> None:
     assert rank0["top_tensors"] == "a 0.08 ms, b 0.06 ms"
 
     assert rank1["wall_ms"] == pytest.approx(0.200)
-    assert rank1["compute_ms"] == 0
+    assert math.isnan(rank1["compute_ms"])                  # rank 1 recorded no compute at all
     assert rank1["busy_fraction"] == pytest.approx(0.25)
     assert rank1["bus_gbps"] == pytest.approx(3 * MB / 50 / 1000)
 
@@ -294,7 +296,90 @@ def test_summary_of_a_horovod_trace_sorts_its_activities(horovod_new: Path) -> N
     assert rank0["communicate_ms"] == pytest.approx(0.090)         # the two NCCL_ALLREDUCEs
     # Horovod's ALLREDUCE spans the activities inside it, so it is not counted again.
     assert rank0["top_tensors"] == "fc1.bias 0.22 ms, fc1.weight 0.16 ms"
-    assert math.isnan(rank0["bus_gbps"])                           # Horovod records no sizes
+    assert math.isnan(rank0["bus_bytes"]) and math.isnan(rank0["bus_gbps"])  # Horovod records no sizes
+
+
+def test_ranks_that_share_memory_put_their_collectives_bytes_on_the_bus(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.json", {0: [
+        ("negotiate", "grads", 0.0, 10.0, None),
+        ("shared_memory", "grads", 10.0, 100.0, {"bytes": 8 * MB, "op": "allreduce", "size": 4}),
+        ("shared_memory", "shapes", 110.0, 50.0, {"bytes": 4 * MB, "op": "allgather", "size": 4}),
+        ("shared_memory", "weights", 160.0, 50.0, {"bytes": 1 * MB, "op": "broadcast"}),
+    ]})
+    rank0 = summarize(load_trace(path)).loc[0]
+    # NCCL's convention: an allreduce 2(n-1)/n of its buffer, an allgather (n-1)/n, a broadcast all.
+    assert rank0["bus_bytes"] == pytest.approx(12 * MB + 3 * MB + 1 * MB)
+    assert rank0["bus_gbps"] == pytest.approx(16 * MB / 200 / 1000)  # over 200 µs: 80 GB/s
+    assert rank0["communicate_ms"] == pytest.approx(0.200)
+
+
+def test_a_hierarchical_allreduce_counts_the_ring_phases_inside_it_once(tmp_path: Path) -> None:
+    between_hosts = {"bytes": 8 * MB, "tensors": ["grads"], "size": 2}
+    path = write_trace(tmp_path / "t.json", {0: [
+        ("shared_memory", "grads", 0.0, 100.0, {"bytes": 8 * MB, "op": "hierarchical allreduce", "size": 4}),
+        ("scatter_reduce", "grads", 20.0, 20.0, between_hosts),
+        ("allgather", "grads", 50.0, 20.0, between_hosts),
+        ("scatter_reduce", "later", 200.0, 50.0, between_hosts),  # a plain ring allreduce: counted
+    ]})
+    rank0 = summarize(load_trace(path)).loc[0]
+    assert rank0["bus_bytes"] == pytest.approx(12 * MB + 4 * MB)
+    assert rank0["bus_gbps"] == pytest.approx(16 * MB / 150 / 1000)
+
+
+def test_what_a_rank_did_not_record_is_nan_not_zero(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.json", {0: [
+        ("negotiate", "grads", 0.0, 10.0, None),
+        ("user", "step 0", 0.0, 50.0, None),
+    ]})
+    rank0 = summarize(load_trace(path)).loc[0]
+    assert rank0["wait_ms"] == pytest.approx(0.010) and rank0["wall_ms"] == pytest.approx(0.050)
+    for column in ("compute_ms", "communicate_ms", "busy_fraction", "bus_bytes", "bus_gbps"):
+        assert math.isnan(rank0[column]), column
+
+
+# The summary as shown.
+
+SHOWN_COLUMNS = ["wall ms", "wait ms", "wait %", "busy %", "compute ms", "communicate ms",
+                 "bus GB/s", "bus MB", "events", "slowest tensors"]
+
+
+def test_the_shown_summary_has_units_in_its_headers_rounded_numbers_and_dashes() -> None:
+    nan = math.nan
+    summary = pd.DataFrame({
+        "name": ["rank 0 (vm)", "rank 1 (vm)", "python"],
+        "events": [12_345, 7, 1],
+        "wall_ms": [3012.4, 8.560421, 0.0],
+        "compute_ms": [nan, 0.0, nan],
+        "communicate_ms": [41.5386, 0.542334, nan],
+        "wait_ms": [355.525, 0.0004, nan],
+        "busy_fraction": [0.0893, 0.063, nan],
+        "bus_bytes": [11_669_050.0, nan, nan],
+        "bus_gbps": [0.28092, nan, nan],
+        "top_tensors": ["fc1.weight 39.3 ms", "", ""],
+    }, index=pd.Index([0, 1, 2], name="rank"))
+    table = format_summary(summary)
+    assert list(table.columns) == SHOWN_COLUMNS and table.columns.name == "rank"
+    # One label per rank, the figure's own; a name that does not say its rank gets it.
+    assert list(table.index) == ["rank 0 (vm)", "rank 1 (vm)", "rank 2 · python"]
+    assert table.loc["rank 0 (vm)"].tolist() == [
+        "3,012", "356", "12", "8.9", "–", "41.5", "0.281", "11.7", "12,345", "fc1.weight 39.3 ms"]
+    # A measured 0 stays 0; a share too small to show is not rounded to 0.
+    assert table.loc["rank 1 (vm)"].tolist() == [
+        "8.56", "0.0004", "<0.1", "6.3", "0", "0.542", "–", "–", "7", "–"]
+    assert table.loc["rank 2 · python"].tolist() == [
+        "0", "–", "–", "–", "–", "–", "–", "–", "1", "–"]
+
+
+def test_the_shown_summary_of_real_traces_has_no_raw_floats(tmp_path: Path, horovod_new: Path) -> None:
+    ours = format_summary(summarize(load_trace(hand_made_trace(tmp_path / "t.json"))))
+    assert ours.loc["rank 1 (node-b)", "compute ms"] == "–"     # rank 1 packed nothing
+    assert ours.loc["rank 0 (node-a)", "bus GB/s"] == "100"
+    horovod = format_summary(summarize(load_trace(horovod_new)))
+    assert list(horovod.index) == ["rank 0"]
+    shown = horovod.loc["rank 0", ["wall ms", "busy %", "bus GB/s", "bus MB"]]
+    assert shown.tolist() == ["0.345", "32", "–", "–"]                # Horovod records no sizes
+    for cell in [*ours.to_numpy().ravel(), *horovod.to_numpy().ravel()]:
+        assert not re.search(r"nan|\d\.\d{4,}|e[+-]\d", cell, re.I), cell
 
 
 @pytest.mark.parametrize("lane, category", [
@@ -393,7 +478,58 @@ def test_show_timeline_takes_a_path_or_a_run(
     for path_or_run in (str(path), SimpleNamespace(timeline_path=path)):
         show_timeline(path_or_run)
         printed = capsys.readouterr().out  # outside IPython: the summary, as text
-        assert "rank 0 (node-a)" in printed and "busy_fraction" in printed
+        assert "rank 0 (node-a)" in printed and "busy %" in printed
+
+
+def test_show_timeline_prints_who_waited_then_a_table_a_person_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    show_timeline(hand_made_trace(tmp_path / "t.json"))
+    headline, header, *rows = capsys.readouterr().out.splitlines()
+    assert headline == ("Waited longest: rank 1 (node-b), 0.15 ms (75% of its 0.2 ms); "
+                        "shortest: rank 0 (node-a), 0.02 ms (20% of its 0.1 ms).")
+    # Columns stand at least two spaces apart, so headers of two words still read apart.
+    assert re.split(r"\s{2,}", header.strip()) == ["rank", *SHOWN_COLUMNS]
+    assert [re.split(r"\s{2,}", row.strip()) for row in rows] == [
+        ["rank 0 (node-a)", "0.1", "0.02", "20", "80", "0.025", "0.06", "100", "6", "7",
+         "a 0.08 ms, b 0.06 ms"],
+        ["rank 1 (node-b)", "0.2", "0.15", "75", "25", "–", "0.05", "60", "3", "2", "a 0.05 ms, b 0.05 ms"],
+    ]
+
+
+def test_show_timeline_of_one_rank_or_of_no_events_says_so(
+    tmp_path: Path, horovod_new: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    show_timeline(horovod_new)
+    assert capsys.readouterr().out.splitlines()[0] == "rank 0 waited 0.21 ms (61% of its 0.345 ms)."
+    empty = write_trace(tmp_path / "empty.json", {0: [], 1: []})  # gloo's run: ranks, no events
+    show_timeline(empty)
+    assert capsys.readouterr().out == "The timeline holds no events.\n"
+
+
+def test_in_a_notebook_the_figure_comes_with_the_formatted_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import IPython
+    import IPython.display
+
+    shown: list[tuple[Any, dict[str, Any]]] = []
+    monkeypatch.setattr(IPython, "get_ipython", lambda: SimpleNamespace())
+    monkeypatch.setattr(IPython.display, "display", lambda obj, **options: shown.append((obj, options)))
+    show_timeline(hand_made_trace(tmp_path / "t.json"))
+    (figure, _), (summary, options) = shown
+    assert isinstance(figure, go.Figure)
+    assert options == {"raw": True}
+    page = summary["text/html"]
+    assert page.startswith("<p>Waited longest: rank 1 (node-b), 0.15 ms")
+    assert "<th>rank 0 (node-a)</th>" in page and "<th>bus GB/s</th>" in page and "<td>–</td>" in page
+    assert "busy_fraction" not in page and "nan" not in page.lower()
+    assert summary["text/plain"].splitlines()[2].startswith("rank 0 (node-a)")
+
+    long_name = "model.encoder.layers.11.self_attention.query_key_value.weight"
+    show_timeline(write_trace(tmp_path / "long.json", {0: [
+        ("pack", "op", 0.0, 1000.0, {"tensors": [long_name, long_name.replace("weight", "bias")]})]}))
+    assert f"<td>{long_name} 1 ms, " in shown[-1][0]["text/html"]  # not cut at pandas' 50 characters
 
 
 def test_show_timeline_explains_a_run_without_a_timeline() -> None:

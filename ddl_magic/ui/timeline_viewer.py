@@ -1,8 +1,9 @@
 """Read a run's timeline, summarise it, and draw it in the notebook.
 
 The viewer summarises before it draws: ``summarize`` says per rank how much time went to
-computing, communicating and waiting, and what bus bandwidth the ring achieved; the figure
-then shows a row per (rank, lane). Big traces are drawn as merged busy intervals, so a
+computing, communicating and waiting, and what bus bandwidth the collectives achieved
+(numbers, for programs), ``format_summary`` turns that into the table a person reads; the
+figure then shows a row per (rank, lane). Big traces are drawn as merged busy intervals, so a
 million events still make a figure of a megabyte or two at most instead of crashing the
 browser, as Horovod's 400 MB timelines did in chrome://tracing.
 
@@ -16,9 +17,10 @@ Two formats are read:
   named after its tensor.
 
 Example:
-    >>> from ddl_magic.ui.timeline_viewer import load_trace, summarize, build_figure
+    >>> from ddl_magic.ui.timeline_viewer import load_trace, summarize, format_summary, build_figure
     >>> trace = load_trace("run.timeline.json")            # doctest: +SKIP
     >>> summarize(trace)[["communicate_ms", "busy_fraction"]]  # doctest: +SKIP
+    >>> format_summary(summarize(trace))                   # doctest: +SKIP
     >>> build_figure(trace).show()                         # doctest: +SKIP
 """
 
@@ -27,10 +29,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import html
 import json
 import math
 import operator
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,10 +63,16 @@ _OUR_LANE_CATEGORIES = {
     "queue": "wait",
 }
 
-# Bus bandwidth follows NCCL's convention: each ring phase (scatter-reduce, allgather) puts
-# (n-1)/n of the buffer on every link, so a whole allreduce moves 2(n-1)/n of it, and a
-# broadcast moves the whole buffer.
+# Bus bandwidth follows NCCL's convention, whatever carried the bytes: each ring phase
+# (scatter-reduce, allgather) puts (n-1)/n of the buffer on every link, so a whole allreduce
+# moves 2(n-1)/n of it, and a broadcast moves the whole buffer. Ranks that share memory
+# record one "shared_memory" event per collective, its kind in ``op``; a hierarchical
+# allreduce's span also holds the ring phases it ran between hosts, counted in it already.
 _RING_PHASES = ("scatter_reduce", "allgather")
+_RING_PHASES_OF_SHARED_MEMORY_OP = {"allreduce": 2, "hierarchical allreduce": 2, "allgather": 1}
+
+# What the shown summary says for a number the trace did not record.
+NOT_MEASURED = "\N{EN DASH}"
 
 # Horovod's top-level operation spans every activity of its tensor, so it is not counted.
 _HOROVOD_OPERATIONS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER",
@@ -82,8 +92,10 @@ class TraceData:
 
     ``events`` columns: ``rank`` (int), ``lane`` (categorical), ``name``, ``start_us`` and
     ``duration_us`` (float microseconds), ``bytes`` and ``world_size`` (float, NaN where the
-    event does not say) and ``tensors`` (a tuple of the tensor names the event's args
-    give as ``tensors`` or ``tensor``; empty if none). ``rows`` lists the
+    event does not say), ``op`` (the collective a ``shared_memory`` event ran, as its args
+    give it: "allreduce", "allgather", ...; None elsewhere) and ``tensors`` (a tuple of the
+    tensor names the event's args give as ``tensors`` or ``tensor``; empty if none).
+    ``rows`` lists the
     (rank, lane) rows in display order, ``rank_names`` labels ranks ("rank 0 (node-a)"),
     ``source`` is "ddl_magic" or "horovod", and ``truncated`` says the file was cut short
     (a writer killed mid-write, a Horovod job that died) and was read up to its last
@@ -169,16 +181,22 @@ def lane_category(lane: str) -> str:
 def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
     """Per rank: where the time went, the achieved bus bandwidth and the slowest tensors.
 
+    The numbers, for programs; ``format_summary`` makes the table shown under the figure.
     Each category's time is the union of its lanes' events (concurrent events count once):
     ``compute_ms`` (packing, unpacking, compressing, fusion-buffer copies),
-    ``communicate_ms`` (the ring's phases, broadcasts) and ``wait_ms`` (negotiating until
-    every rank is ready, queued tensors, callers blocked on a handle). ``busy_fraction`` is
-    the union of computing and communicating over ``wall_ms``, the rank's first event start
-    to last event end. ``bus_bytes`` is what the phases that carry ``bytes`` put on each
-    link (NCCL's convention: (n-1)/n of the buffer per scatter-reduce or allgather phase,
-    all of it per broadcast) and ``bus_gbps`` that over the time those phases took, in
-    GB/s. ``top_tensors`` names the ``top`` tensors whose events in those three kinds of
-    lanes took longest in total.
+    ``communicate_ms`` (the ring's phases, broadcasts, shared-memory collectives) and
+    ``wait_ms`` (negotiating until every rank is ready, queued tensors, callers blocked on a
+    handle). ``busy_fraction`` is the union of computing and communicating over ``wall_ms``,
+    the rank's first event start to last event end. ``bus_bytes`` is what the collectives
+    that carry ``bytes`` put on each link (NCCL's convention: (n-1)/n of the buffer per
+    scatter-reduce or allgather phase, 2(n-1)/n per allreduce through shared memory, all of
+    it per broadcast) and ``bus_gbps`` that over the time they took, in GB/s.
+    ``top_tensors`` names the ``top`` tensors whose events in those three kinds of lanes
+    took longest in total.
+
+    What a rank did not record is NaN, not 0: a category without a single event of the
+    rank's, ``busy_fraction`` without compute or communicate events, ``bus_bytes`` and
+    ``bus_gbps`` without an event that says its bytes (Horovod's timelines never do).
 
     Example:
         >>> summary = summarize(load_trace("run.timeline.json"))   # doctest: +SKIP
@@ -207,13 +225,48 @@ def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
             "name": trace.rank_names.get(rank, f"rank {rank}"),
             "events": len(at),
             "wall_ms": wall_us / 1000.0,
-            **{f"{kind}_ms": _union_length(start[i], end[i]) / 1000.0 for kind, i in in_category.items()},
-            "busy_fraction": _union_length(start[busy], end[busy]) / wall_us if wall_us > 0 else 0.0,
+            **{f"{kind}_ms": _union_length(start[i], end[i]) / 1000.0 if len(i) else math.nan
+               for kind, i in in_category.items()},
+            "busy_fraction": (_union_length(start[busy], end[busy]) / wall_us
+                              if len(busy) and wall_us > 0 else math.nan),
             "bus_bytes": bus_bytes,
             "bus_gbps": bus_bytes / bus_us / 1000.0 if bus_us > 0 else math.nan,
             "top_tensors": _top_tensors(events, at[category[at] != "other"], top),
         })
     return pd.DataFrame(rows, columns=["rank", *columns]).set_index("rank")
+
+
+def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
+    """The summary as a report to read: what ``show_timeline`` shows under the figure.
+
+    One row per rank, labelled by its name as the figure's rows are ("rank 0 (node-a)"),
+    units in the headers, three significant digits (whole numbers from 100 on), and "–"
+    for what the trace did not record. Waiting comes right after the rank's wall time, in
+    milliseconds and as a share of it: which rank waited most is usually the first
+    question. Every cell is text; ``summarize`` keeps the numbers.
+
+    Example:
+        >>> print(format_summary(summarize(load_trace("run.timeline.json"))).to_string())  # doctest: +SKIP
+        rank        wall ms wait ms wait % busy % compute ms communicate ms bus GB/s bus MB ...
+        rank 0 (vm)     465     356     76    8.9          –           41.5    0.281   11.7 ...
+        rank 1 (vm)     486    45.5    9.3     15          –           73.5    0.159   11.7 ...
+    """
+    wall = summary["wall_ms"].astype(float)
+    table = pd.DataFrame({
+        "wall ms": wall.map(_format_number),
+        "wait ms": summary["wait_ms"].map(_format_number),
+        "wait %": (100.0 * summary["wait_ms"] / wall.where(wall > 0)).map(_format_percent),
+        "busy %": (100.0 * summary["busy_fraction"]).map(_format_percent),
+        "compute ms": summary["compute_ms"].map(_format_number),
+        "communicate ms": summary["communicate_ms"].map(_format_number),
+        "bus GB/s": summary["bus_gbps"].map(_format_number),
+        "bus MB": (summary["bus_bytes"] / 1e6).map(_format_number),
+        "events": summary["events"].map("{:,}".format),
+        "slowest tensors": summary["top_tensors"].replace("", NOT_MEASURED),
+    })
+    table.index = pd.Index([_rank_label(rank, name) for rank, name in summary["name"].items()])
+    table.columns.name = "rank"
+    return table
 
 
 def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.Figure:
@@ -286,8 +339,9 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
     """Display a run's timeline and its per-rank summary in the notebook.
 
     Takes a trace file's path, or anything with a ``timeline_path`` attribute (the record
-    ``ddl_magic.last_run()`` returns). Outside IPython it prints the summary only. For the
-    figure itself, use ``build_figure(load_trace(path))``.
+    ``ddl_magic.last_run()`` returns). Under the figure: one line naming the ranks that
+    waited longest and shortest, then ``format_summary``'s table. Outside IPython it prints
+    those two only. For the figure itself, use ``build_figure(load_trace(path))``.
 
     Example:
         >>> show_timeline("run.timeline.json")              # doctest: +SKIP
@@ -305,11 +359,18 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
     from IPython import get_ipython
     from IPython.display import display
 
+    headline, table = _waiting_headline(summary), format_summary(summary)
+    text, table_html = headline, ""
+    if not table.empty:
+        # Two spaces between columns at least: pandas' one space runs "wall ms wait ms" together.
+        text += "\n" + table.to_string(col_space={column: len(column) + 1 for column in table})
+        with pd.option_context("display.max_colwidth", None):  # the whole list of slowest tensors
+            table_html = table.to_html(notebook=True)
     if get_ipython() is not None:
         display(figure)
-        display(summary)
+        display({"text/plain": text, "text/html": f"<p>{html.escape(headline)}</p>{table_html}"}, raw=True)
     else:
-        print(summary.to_string())
+        print(text)
 
 
 @contextlib.contextmanager
@@ -469,6 +530,7 @@ def _events_frame(
         "duration_us": np.maximum(_numbers(durations), 0.0),
         "bytes": _numbers([a.get("bytes") if a else None for a in args]),
         "world_size": _numbers([a.get("size") if a else None for a in args]),
+        "op": pd.Series([a.get("op") if a else None for a in args], dtype=object),
         "tensors": pd.Series(list(map(_tensor_names, args)), dtype=object),
     })
 
@@ -510,19 +572,90 @@ def _union_length(start: np.ndarray, end: np.ndarray) -> float:
 
 
 def _bus_traffic(events: pd.DataFrame, at: np.ndarray, default_world_size: int) -> tuple[float, float]:
-    """Bytes on the bus and the time they took (µs) for one rank's byte-carrying phases."""
-    lane = events["lane"].iloc[at]
+    """Bytes on the bus and the time they took (µs) for one rank's byte-carrying events.
+
+    The bytes are NaN when none of the events says how many it moved.
+    """
+    lane = events["lane"].iloc[at].astype(str).to_numpy()
     nbytes = events["bytes"].to_numpy()[at]
     world = events["world_size"].to_numpy()[at]
     world = np.where(np.isnan(world), default_world_size, world)
-    factors = np.where(lane.isin(_RING_PHASES).to_numpy(), (world - 1) / world,
-                       np.where((lane == "broadcast").to_numpy(), 1.0, math.nan))
-    carrying = ~np.isnan(nbytes) & ~np.isnan(factors)
+    one_phase = (world - 1) / world
+    is_phase = np.isin(lane, _RING_PHASES)
+    share = np.where(is_phase, one_phase, np.where(lane == "broadcast", 1.0, math.nan))
+    shared_memory = np.flatnonzero(lane == "shared_memory")
+    for i, op in zip(shared_memory, events["op"].to_numpy()[at][shared_memory]):
+        if op == "broadcast":
+            share[i] = 1.0
+        elif isinstance(op, str) and op in _RING_PHASES_OF_SHARED_MEMORY_OP:
+            share[i] = _RING_PHASES_OF_SHARED_MEMORY_OP[op] * one_phase[i]
+    carrying = ~np.isnan(nbytes) & ~np.isnan(share)
+    start = events["start_us"].to_numpy()[at]
+    end = start + events["duration_us"].to_numpy()[at]
+    carrying &= ~_within(start, end, is_phase, carrying & (lane == "shared_memory"))
     if not carrying.any():
-        return 0.0, 0.0
-    start = events["start_us"].to_numpy()[at][carrying]
-    end = start + events["duration_us"].to_numpy()[at][carrying]
-    return float((nbytes[carrying] * factors[carrying]).sum()), _union_length(start, end)
+        return math.nan, 0.0
+    return float((nbytes[carrying] * share[carrying]).sum()), _union_length(start[carrying], end[carrying])
+
+
+def _within(start: np.ndarray, end: np.ndarray, inner: np.ndarray, outer: np.ndarray) -> np.ndarray:
+    """Which of the ``inner`` intervals lie inside one of the ``outer`` intervals."""
+    inside = np.zeros(len(start), dtype=bool)
+    if not inner.any() or not outer.any():
+        return inside
+    outer_start, outer_end, _ = _merge_intervals(start[outer], end[outer], 0.0)
+    enclosing = np.maximum(np.searchsorted(outer_start, start[inner], side="right") - 1, 0)
+    inside[inner] = (outer_start[enclosing] <= start[inner]) & (end[inner] <= outer_end[enclosing])
+    return inside
+
+
+def _rank_label(rank: int, name: str) -> str:
+    """The rank's name when it says which rank it is ("rank 0 (node-a)"), else both."""
+    return name if re.match(rf"rank {rank}\b", name) else f"rank {rank} · {name}"
+
+
+def _format_number(value: float) -> str:
+    """Three significant digits, whole from 100 on, never in scientific notation."""
+    if math.isnan(value):
+        return NOT_MEASURED
+    if value == 0 or abs(value) >= 99.95:
+        return f"{value:,.0f}"
+    decimals = 2 - math.floor(math.log10(abs(value)))
+    return f"{value:.{decimals}f}".rstrip("0").rstrip(".")
+
+
+def _format_percent(value: float) -> str:
+    """Whole percents from 10 on, one decimal below; a share too small to show is "<0.1", not 0."""
+    if math.isnan(value):
+        return NOT_MEASURED
+    if value == 0 or value >= 9.95:
+        return f"{value:.0f}"
+    return f"{value:.1f}" if value >= 0.05 else "<0.1"
+
+
+def _waiting_headline(summary: pd.DataFrame) -> str:
+    """One sentence on who waited most and least, the first thing to look for in a summary."""
+    if summary.empty:
+        return "The timeline holds no events."
+    waited = summary["wait_ms"].dropna()
+    if waited.empty:
+        return "No rank recorded any waiting."
+
+    def label(rank: int) -> str:
+        return _rank_label(rank, summary.loc[rank, "name"])
+
+    def waiting(rank: int) -> str:
+        wall = summary.loc[rank, "wall_ms"]
+        share = (f" ({_format_percent(100.0 * waited[rank] / wall)}% of its {_format_number(wall)} ms)"
+                 if wall > 0 else "")
+        return f"{_format_number(waited[rank])} ms{share}"
+
+    most, least = waited.idxmax(), waited.idxmin()
+    if len(waited) == 1:
+        return f"{label(most)} waited {waiting(most)}."
+    if waited[most] == waited[least]:
+        return f"Every rank waited {_format_number(waited[most])} ms."
+    return f"Waited longest: {label(most)}, {waiting(most)}; shortest: {label(least)}, {waiting(least)}."
 
 
 def _tensor_names(args: dict[str, Any] | None) -> tuple[str, ...]:
