@@ -65,6 +65,18 @@ def test_mismatched_shapes_give_an_error_naming_tensor_and_ranks():
     (response,) = c.take_cycle(now=1).responses
     assert "'w'" in response.error and "[0, 2]" in response.error
     assert "float32[5]" in response.error
+    assert "unnamed" not in response.error  # a named op's mismatch is not about call order
+
+
+def test_a_mismatch_of_unnamed_ops_says_the_ranks_calls_diverged_and_where():
+    c = coordinator()
+    c.submit(0, [allreduce("allreduce.noname.4", numel=2)], now=0)
+    c.submit(1, [allreduce("allreduce.noname.4", numel=1)], now=0)
+    (response,) = c.take_cycle(now=1).responses
+    assert ("'allreduce.noname.4' is an unnamed allreduce, matched across ranks by call order: "
+            "the ranks' sequences of unnamed allreduce calls diverged at this call or before it"
+            in response.error)
+    assert "Pass name= to collectives" in response.error
 
 
 def test_allgather_may_differ_in_first_dimension_only():
@@ -100,6 +112,17 @@ def test_stall_warning_names_tensor_and_missing_ranks_once():
     (warning,) = c.stall_warnings(now=11)
     assert "'slow'" in warning and "ranks [1]" in warning
     assert c.stall_warnings(now=30) == []
+
+
+def test_a_stall_of_unnamed_ops_names_what_the_missing_rank_waits_on_instead():
+    c = coordinator(size=3, stall=10)
+    c.submit(0, [allreduce("allreduce.noname.4")], now=0)
+    c.submit(1, [allreduce("allreduce.noname.4")], now=0)
+    c.submit(2, [allreduce("allreduce.noname.5")], now=0)  # rank 2 made one unnamed call more
+    warning = c.stall_warnings(now=11)[0]
+    assert ("tensor 'allreduce.noname.4' was submitted by ranks [0, 1] 11 s ago, but ranks [2] "
+            "have not submitted it (rank 2 waits on 'allreduce.noname.5' instead)" in warning)
+    assert "sequences of unnamed allreduce calls diverged at this call or before it" in warning
 
 
 def test_the_cache_stays_bounded_and_skips_unnamed_ops():

@@ -237,10 +237,22 @@ class Coordinator:
             missing = sorted(set(range(self.size)) - set(have))
             warnings.append(
                 f"stall: tensor {name!r} was submitted by ranks {have} {now - since:.0f} s ago, "
-                f"but ranks {missing} have not submitted it. Ranks may be calling collectives in "
-                "different orders or with different names, or one rank skipped a step."
+                f"but ranks {missing} have not submitted it{self._instead(missing)}. Ranks may "
+                "be calling collectives in different orders or with different names, or one "
+                f"rank skipped a step.{_unnamed_hint(name)}"
             )
         return warnings
+
+    def _instead(self, ranks: list[int]) -> str:
+        """What `ranks` submitted that others have not, as " (rank 2 waits on 'b' instead)"."""
+        waits = []
+        for rank in ranks:
+            names = [repr(name) for name, by_rank in self._submitted.items()
+                     if rank in by_rank and name not in self._ready]
+            if names:
+                listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                waits.append(f"rank {rank} waits on {listed}")
+        return f" ({'; '.join(waits)} instead)" if waits else ""
 
     def _respond(self, name: str, requests: dict[int, Request]) -> Response:
         first = requests[min(requests)]  # the reference the others are compared with
@@ -259,7 +271,7 @@ class Coordinator:
             return Response(first.kind, (name,), error=(
                 f"mismatched collective for tensor {name!r} between ranks "
                 f"{[ranks[0]] + disagreeing}: {details}. Every rank must submit the same shape, "
-                "dtype and op under one name."
+                f"dtype and op under one name.{_unnamed_hint(name)}"
             ))
         absent = sorted(set(range(self.size)) - set(requests))
         if absent and first.kind != "allreduce":
@@ -283,6 +295,21 @@ class Coordinator:
         self._cache[cache_id] = request
         self._cache_id_of[request] = cache_id
         cycle.cache_updates[cache_id] = request
+
+
+def _unnamed_hint(name: str) -> str:
+    """For an operation named by call order (`allreduce.noname.7`): what went wrong, and the fix.
+
+    Unnamed operations are numbered per kind on each rank, so two ranks agree on a name only
+    while they have made the same unnamed calls in the same order.
+    """
+    kind, unnamed, _ = name.partition(".noname.")
+    if not unnamed:
+        return ""
+    return (f" {name!r} is an unnamed {kind}, matched across ranks by call order: the ranks' "
+            f"sequences of unnamed {kind} calls diverged at this call or before it (a rank made "
+            "one more or one fewer, for instance after catching an exception). Pass name= to "
+            "collectives so that ranks match them by name.")
 
 
 def _any(requests: dict[int, Request]) -> Request:

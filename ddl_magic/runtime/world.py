@@ -64,6 +64,15 @@ class World:
         return tuple(on_host[self.local_rank] for on_host in on_hosts if self.local_rank < len(on_host))
 
     @property
+    def homogeneous(self) -> bool:
+        """Every host runs the same number of ranks (Horovod's `is_homogeneous`).
+
+        >>> derive_world(0, [Peer(r, "aab"[r], ("x", r)) for r in range(3)]).homogeneous
+        False
+        """
+        return len({len(self.ranks_on(host)) for host in self.hosts}) <= 1
+
+    @property
     def uniform_hosts(self) -> bool:
         """Several hosts, each with the same number (more than one) of ranks."""
         sizes = {len(self.ranks_on(host)) for host in self.hosts}

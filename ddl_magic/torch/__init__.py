@@ -17,14 +17,18 @@
 
 from ..runtime.errors import HorovodInternalError
 from . import backend as _backend
+from .capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
+                           mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
                   allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allreduce,
-                  grouped_allreduce_async, init, is_initialized, join, local_rank, local_size, poll,
-                  rank, shutdown, size, synchronize)
+                  broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allgather,
+                  grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                  grouped_allreduce_async, grouped_allreduce_async_, init, is_homogeneous,
+                  is_initialized, join, local_rank, local_size, poll, rank, shutdown, size,
+                  synchronize)
 from .optimizer import DistributedOptimizer
 from .timeline import start_timeline, stop_timeline, timeline_span
 
@@ -32,9 +36,12 @@ _backend.register()  # dist.init_process_group("ddl") works wherever this is imp
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size",
+    "cross_rank", "cross_size", "is_homogeneous",
+    "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-    "grouped_allreduce_async", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "allgather_object", "barrier",
     "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",

@@ -1,9 +1,10 @@
 """Horovod's collective operations on torch tensors: `allreduce`, `allgather`, `broadcast`, ...
 
 Every operation has an async form returning a handle (`allreduce_async`), a blocking form
-(`allreduce`), and where Horovod has one an in-place form (`allreduce_`). Operations without
-a `name` are named by a per-kind counter, which matches across ranks as long as every rank
-calls them in the same order (as with Horovod).
+(`allreduce`), and where Horovod has one an in-place form (`allreduce_`). The grouped forms
+(`grouped_allreduce`, `grouped_allgather`) take a list of tensors and return one handle for
+all of them. Operations without a `name` are named by a per-kind counter, which matches
+across ranks as long as every rank calls them in the same order (as with Horovod).
 
     >>> import ddl_magic.torch as hvd
     >>> hvd.init()
@@ -13,8 +14,10 @@ calls them in the same order (as with Horovod).
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import threading
 from collections import defaultdict
+from typing import Iterator
 
 import torch
 
@@ -22,15 +25,34 @@ from ..runtime import context
 from ..runtime.negotiation import Request
 from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
+from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM,
                                            ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
-_unnamed = defaultdict(itertools.count)
+# An unnamed operation is named after how many of its kind this process submitted before it,
+# so ranks that call them in the same order name them alike. A call that raises consumes no
+# number, and the count restarts at every init(): ranks that form a ring together count
+# together, even if one submitted more than the others before a failure.
+_unnamed_submitted: dict[str, int] = defaultdict(int)
+_unnamed_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _op_name(kind: str, name: str | None) -> Iterator[str]:
+    """`name`, or the next `{kind}.noname.N`, which counts as used only if the body returns."""
+    if name is not None:
+        yield name
+        return
+    with _unnamed_lock:
+        yield f"{kind}.noname.{_unnamed_submitted[kind]}"
+        _unnamed_submitted[kind] += 1
 
 
 def init(*args, **kwargs) -> None:
     """Join the run's ring (or become a world of one outside a launcher). Safe to call twice."""
+    if not context.is_initialized():
+        _unnamed_submitted.clear()
     context.init()
 
 
@@ -67,24 +89,45 @@ def cross_size() -> int:
     return context.current("cross_size").world.cross_size
 
 
-def poll(handle: Handle) -> bool:
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (always so on one host)."""
+    return context.current("is_homogeneous").world.homogeneous
+
+
+class GroupHandle:
+    """One handle for a grouped operation: `synchronize` returns its outputs as a list."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles: list[Handle]):
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self) -> list[torch.Tensor]:
+        return [handle.wait() for handle in self.handles]
+
+
+def poll(handle: Handle | GroupHandle) -> bool:
     """True once the operation behind `handle` has completed (never blocks)."""
     return handle.done()
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for the operation behind `handle` and return its output tensor."""
+def synchronize(handle: Handle | GroupHandle) -> torch.Tensor | list[torch.Tensor]:
+    """Wait for the operation behind `handle` and return its output tensor (a list of them
+    for a grouped operation)."""
     return handle.wait()
 
 
 def _submit(api: str, kind: str, tensor: torch.Tensor | None, output: torch.Tensor | None,
             name: str | None, wait_follows: bool = False, **fields) -> Handle:
     queue = context.current(api).queue
-    if name is None:
-        name = f"{kind}.noname.{next(_unnamed[kind])}"
     shape = tuple(tensor.shape) if tensor is not None else ()
     dtype = tensor.dtype if tensor is not None else torch.uint8
-    return queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output, wait_follows)
+    with _op_name(kind, name) as op_name:
+        return queue.submit(Request(op_name, kind, dtype, shape, **fields), tensor, output,
+                            wait_follows)
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
@@ -159,7 +202,6 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     On 2 ranks, ``hvd.allreduce(torch.tensor([float(hvd.rank())]))`` is ``tensor([0.5])`` on
     both, and with ``op=hvd.Sum`` it is ``tensor([1.])``.
     """
-    from .compression import Compression
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad:
@@ -182,26 +224,62 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set=None) -> list[Handle]:
-    """Start allreduces of several tensors; they are fused into one ring pass where they fit."""
-    return _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor,
-                              wait_follows=False)
+                            process_set=None) -> GroupHandle:
+    """Start reducing several tensors over all ranks, each into a new tensor; they are fused
+    into one ring pass where they fit, and `synchronize` returns the list of results."""
+    return _grouped_allreduce([_plain(t) for t in tensors], average, name, op, prescale_factor,
+                              postscale_factor, "grouped_allreduce_async", in_place=False)
 
 
-def _grouped_allreduce(tensors, average, name, op, prescale, postscale, wait_follows) -> list[Handle]:
-    base = name or f"grouped_allreduce.noname.{next(_unnamed['grouped_allreduce'])}"
-    return [_allreduce_into(_plain(t), None, average, f"{base}.{i}", op, prescale, postscale,
-                            "grouped_allreduce", wait_follows) for i, t in enumerate(tensors)]
+def _grouped_allreduce(tensors, average, name, op, prescale, postscale, api, in_place: bool,
+                       wait_follows: bool = False) -> GroupHandle:
+    """Tensor i goes under `{name}.{i}`. Every argument is checked before the first tensor is
+    submitted: a call that raises leaves nothing behind for the other ranks to wait on."""
+    fields = dict(op=int(as_reduce_op(op, average)), prescale=float(prescale),
+                  postscale=float(postscale))
+    with _op_name("grouped_allreduce", name) as base:
+        return GroupHandle([_submit(api, "allreduce", tensor, tensor if in_place else None,
+                                    f"{base}.{i}", wait_follows, **fields)
+                            for i, tensor in enumerate(tensors)])
 
 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression=None, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set=None) -> list[torch.Tensor]:
-    """Reduce several tensors over all ranks in as few ring passes as fusion allows."""
-    handles = _grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor,
-                                 wait_follows=True)
-    return [synchronize(h) for h in handles]
+    """Reduce several tensors over all ranks in as few ring passes as fusion allows.
+
+    >>> weights, bias = hvd.grouped_allreduce([model.weight.grad, model.bias.grad])
+    """
+    compression = compression or Compression.none
+    compressed = [compression.compress(tensor) for tensor in tensors]
+    handle = _grouped_allreduce([_plain(wire) for wire, _ in compressed], average, name, op,
+                                prescale_factor, postscale_factor, "grouped_allreduce",
+                                in_place=False, wait_follows=True)
+    return [compression.decompress(reduced, ctx)
+            for reduced, (_, ctx) in zip(synchronize(handle), compressed)]
+
+
+def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: int | None = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set=None) -> GroupHandle:
+    """Start reducing several tensors over all ranks, each in place."""
+    targets = [_contiguous_in_place(t.detach(), "grouped_allreduce_async_") for t in tensors]
+    return _grouped_allreduce(targets, average, name, op, prescale_factor, postscale_factor,
+                              "grouped_allreduce_async_", in_place=True)
+
+
+def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: int | None = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set=None) -> list[torch.Tensor]:
+    """Reduce several tensors over all ranks, each in place, and return them."""
+    targets = [_contiguous_in_place(t.detach(), "grouped_allreduce_") for t in tensors]
+    synchronize(_grouped_allreduce(targets, average, name, op, prescale_factor,
+                                   postscale_factor, "grouped_allreduce_", in_place=True,
+                                   wait_follows=True))
+    return list(tensors)
 
 
 # ---- allgather ----------------------------------------------------------------------------
@@ -212,10 +290,13 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set=N
 
 
 def _allgather_of(tensor, name, api, wait_follows) -> Handle:
+    return _submit(api, "allgather", _gatherable(tensor), None, name, wait_follows)
+
+
+def _gatherable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached and contiguous, a scalar as one row (allgather stacks rows)."""
     source = tensor.detach().contiguous()
-    if source.dim() == 0:
-        source = source.reshape(1)
-    return _submit(api, "allgather", source, None, name, wait_follows)
+    return source.reshape(1) if source.dim() == 0 else source
 
 
 def _allgather_now(tensor, name=None) -> torch.Tensor:
@@ -244,6 +325,53 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -
     if tensor.requires_grad:
         return _DifferentiableAllgather.apply(tensor, name)
     return _allgather_now(tensor, name)
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
+                            process_set=None) -> GroupHandle:
+    """Start allgathers of several tensors; `synchronize` returns the list of results."""
+    return _grouped_allgather(tensors, name, "grouped_allgather_async", wait_follows=False)
+
+
+def _grouped_allgather(tensors, name, api, wait_follows) -> GroupHandle:
+    """Tensor i goes under `{name}.{i}`, every tensor checked before any is submitted."""
+    sources = [_gatherable(tensor) for tensor in tensors]
+    with _op_name("grouped_allgather", name) as base:
+        return GroupHandle([_submit(api, "allgather", source, None, f"{base}.{i}", wait_follows)
+                            for i, source in enumerate(sources)])
+
+
+class _DifferentiableGroupedAllgather(torch.autograd.Function):
+    """Each tensor's gradient as in `allgather`: the sum over ranks at this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        handle = _grouped_allgather(tensors, name, "grouped_allgather", wait_follows=True)
+        gathered = synchronize(handle)
+        # every rank's first dimensions: a row per rank, a column per tensor
+        rows = _allgather_now(torch.tensor([[t.shape[0] if t.dim() else 1 for t in tensors]]))
+        ctx.starts = rows[:rank()].sum(0).tolist()
+        ctx.lengths = rows[rank()].tolist()
+        return tuple(gathered)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        handle = _grouped_allreduce([_plain(grad) for grad in grads], None, None, Sum, 1.0, 1.0,
+                                    "grouped_allgather", in_place=False, wait_follows=True)
+        return (None, *(summed[start:start + length] for summed, start, length
+                        in zip(synchronize(handle), ctx.starts, ctx.lengths)))
+
+
+def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
+                      process_set=None) -> list[torch.Tensor]:
+    """Concatenate every rank's tensors along dimension 0, in rank order, position by position.
+
+    On 2 ranks, ``hvd.grouped_allgather([torch.tensor([hvd.rank()]), torch.ones(hvd.rank(), 2)])``
+    is ``[tensor([0, 1]), torch.ones(1, 2)]`` on both: first dimensions may differ per rank.
+    """
+    if any(tensor.requires_grad for tensor in tensors):
+        return list(_DifferentiableGroupedAllgather.apply(name, *tensors))
+    return synchronize(_grouped_allgather(tensors, name, "grouped_allgather", wait_follows=True))
 
 
 # ---- broadcast ----------------------------------------------------------------------------

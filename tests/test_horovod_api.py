@@ -1,0 +1,228 @@
+"""The parts of `horovod.torch` that ported scripts and Horovod's own tests call besides the
+basic collectives: the build and capability checks, `is_homogeneous`, the grouped
+collectives in all their forms, and what happens when ranks' unnamed calls stop lining up.
+
+Each setup is launched once (processes are the expensive part): on 1 rank, on 2 ranks over
+shared memory, and on 3 ranks that look like 2 hosts of 2 and 1 ranks (the TCP ring, not
+homogeneous). Every rank runs all the checks below and reports which failed.
+"""
+
+import pytest
+import torch
+
+from ranks import run_on_ranks
+
+
+def equal_lists(actual, expected) -> bool:
+    return (isinstance(actual, list) and len(actual) == len(expected)
+            and all(torch.equal(a, e) for a, e in zip(actual, expected)))
+
+
+def check_capabilities(hvd):
+    expected = {"mpi_built": False, "mpi_enabled": False, "gloo_built": True,
+                "gloo_enabled": True, "nccl_built": 0, "ddl_built": False, "ccl_built": False,
+                "rocm_built": False, "cuda_built": torch.backends.cuda.is_built()}
+    actual = {name: getattr(hvd, name)() for name in expected}
+    failures = [f"{name}() is {actual[name]!r}" for name in expected
+                if actual[name] != expected[name]]
+    if type(actual["nccl_built"]) is not int:  # Horovod's scripts compare it with versions
+        failures.append("nccl_built() is not an int")
+    try:
+        hvd.mpi_threads_supported()
+        failures.append("mpi_threads_supported() did not raise")
+    except ValueError as exc:
+        if "MPI" not in str(exc):
+            failures.append(f"mpi_threads_supported: {exc}")
+    return failures
+
+
+def check_is_homogeneous(hvd):
+    import os
+
+    hosts = os.environ.get("DDL_MAGIC_TEST_HOSTS", "here").split(",")
+    expected = len({hosts.count(host) for host in hosts}) == 1
+    return [] if hvd.is_homogeneous() is expected else [f"is_homogeneous() is not {expected}"]
+
+
+def check_grouped_allgather(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    mine = [torch.full((rank + 1, 3), float(rank)),  # rank r contributes r + 1 rows
+            torch.full((rank, 2), rank, dtype=torch.int64),  # rank 0 contributes none
+            torch.tensor(rank * 10)]  # a scalar gathers as one row
+    expected = [torch.cat([torch.full((r + 1, 3), float(r)) for r in range(size)]),
+                torch.cat([torch.full((r, 2), r, dtype=torch.int64) for r in range(size)]),
+                torch.tensor([r * 10 for r in range(size)])]
+    failures = []
+    for label, gathered in [("grouped_allgather", hvd.grouped_allgather(mine)),
+                            ("named", hvd.grouped_allgather(mine, name="gathered")),
+                            ("async", hvd.synchronize(hvd.grouped_allgather_async(mine)))]:
+        if not equal_lists(gathered, expected):
+            failures.append(f"{label}: {gathered}")
+    return failures
+
+
+def check_grouped_allgather_gradient(hvd):
+    """Rank r's loss weighs the gathered tensors by r + 1, so each rank's slice of the
+    gradient is the sum over ranks: (1 + 2 + ... + size) times the weights at its rows."""
+    rank, size = hvd.rank(), hvd.size()
+    inputs = [torch.zeros(rank + 1, 2, requires_grad=True), torch.tensor(1.0, requires_grad=True)]
+    gathered = hvd.grouped_allgather(inputs)
+    weights = [torch.arange(g.numel(), dtype=torch.float32).view(g.shape) for g in gathered]
+    loss = sum((g * w).sum() for g, w in zip(gathered, weights)) * (rank + 1)
+    loss.backward()
+    summed = size * (size + 1) / 2
+    start = sum(r + 1 for r in range(rank))  # this rank's first row of the first tensor
+    expected = [summed * weights[0][start:start + rank + 1], summed * weights[1][rank]]
+    return [f"gradient of input {i}: {x.grad}" for i, (x, e) in enumerate(zip(inputs, expected))
+            if x.grad is None or x.grad.shape != x.shape or not torch.equal(x.grad, e)]
+
+
+def check_grouped_allreduce_forms(hvd):
+    rank, size = hvd.rank(), hvd.size()
+    failures = []
+    handle = hvd.grouped_allreduce_async([torch.full((3,), float(rank)), torch.ones(2, 2)],
+                                         op=hvd.Sum)
+    results = hvd.synchronize(handle)  # one handle for the group, as in Horovod
+    expected = [torch.full((3,), float(sum(range(size)))), torch.full((2, 2), float(size))]
+    if not (hvd.poll(handle) and equal_lists(results, expected)):
+        failures.append(f"grouped_allreduce_async: {results}")
+
+    tensors = [torch.full((3,), float(rank)), torch.ones(2, dtype=torch.int32)]
+    returned = hvd.grouped_allreduce_(tensors, op=hvd.Sum)
+    if not (returned[0] is tensors[0] and returned[1] is tensors[1]):
+        failures.append("grouped_allreduce_ did not return the tensors it was given")
+    if tensors[0].tolist() != [float(sum(range(size)))] * 3 or tensors[1].tolist() != [size] * 2:
+        failures.append(f"grouped_allreduce_: {tensors}")
+
+    tensors = [torch.full((4,), float(rank)), torch.full((1,), float(rank))]
+    hvd.synchronize(hvd.grouped_allreduce_async_(tensors, name="in place"))  # Average
+    if [t.tolist() for t in tensors] != [[(size - 1) / 2] * 4, [(size - 1) / 2]]:
+        failures.append(f"grouped_allreduce_async_: {tensors}")
+
+    try:
+        hvd.grouped_allreduce_([torch.ones(2), torch.ones(3, 2).t()])
+        failures.append("grouped_allreduce_ accepted a non-contiguous tensor")
+    except ValueError:
+        pass
+
+    # 1 + 2**-12 is 1.0 in float16: the compressed sum arrives rounded, as a float32
+    reduced = hvd.grouped_allreduce([torch.tensor([1 + 2 ** -12])], op=hvd.Sum,
+                                    compression=hvd.Compression.fp16)
+    if reduced[0].dtype != torch.float32 or reduced[0].item() != float(size):
+        failures.append(f"grouped_allreduce ignored its compression: {reduced[0]!r}")
+    return failures
+
+
+def check_failed_calls_leave_nothing_behind(hvd):
+    """The last rank alone makes calls that raise; then every rank makes the same unnamed calls.
+    Had a failed call consumed a number, or submitted part of a group, these would never pair."""
+    rank, size = hvd.rank(), hvd.size()
+    failures = []
+    if rank == size - 1:
+        bad_calls = {
+            "group with a non-tensor": lambda: hvd.grouped_allreduce([torch.ones(2), "x"]),
+            "gather group with a non-tensor": lambda: hvd.grouped_allgather([torch.ones(2), 3]),
+            "Adasum": lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
+            "grouped Adasum": lambda: hvd.grouped_allreduce_async([torch.ones(1)], op=hvd.Adasum),
+            "root out of range": lambda: hvd.broadcast(torch.ones(2), root_rank=size),
+            "in place, not contiguous": lambda: hvd.grouped_allreduce_async_(
+                [torch.ones(2), torch.ones(3, 2).t()]),
+        }
+        for label, call in bad_calls.items():
+            try:
+                call()
+                failures.append(f"{label}: no error")
+            except (AttributeError, TypeError, ValueError, NotImplementedError):
+                pass
+    if [t.tolist() for t in hvd.grouped_allreduce([torch.ones(2), torch.ones(1)], op=hvd.Sum)] \
+            != [[size] * 2, [size]]:
+        failures.append("grouped_allreduce after the failed calls")
+    gathered = hvd.grouped_allgather([torch.tensor([rank]), torch.ones(1)])
+    if gathered[0].tolist() != list(range(size)):
+        failures.append("grouped_allgather after the failed calls")
+    if hvd.allreduce(torch.ones(1), op=hvd.Sum).item() != size:
+        failures.append("allreduce after the failed calls")
+    if hvd.broadcast(torch.tensor([rank]), root_rank=0).tolist() != [0]:
+        failures.append("broadcast after the failed calls")
+    return failures
+
+
+def check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count(hvd):
+    """The last rank makes one unnamed allreduce more than the others: its first one meets
+    their next one, with another shape. Then every rank shuts down and inits again."""
+    from ddl_magic.runtime.errors import CollectiveMismatchError
+
+    rank, size = hvd.rank(), hvd.size()
+    if size == 1:
+        return []
+    failures = []
+    extra = hvd.allreduce_async(torch.ones(1)) if rank == size - 1 else None  # this rank only
+    mine = hvd.allreduce_async(torch.ones(2))
+    try:
+        hvd.synchronize(mine if extra is None else extra)
+        failures.append("no error for diverged unnamed calls")
+    except CollectiveMismatchError as exc:
+        message = str(exc)
+        if not ("'allreduce.noname." in message and "name=" in message
+                and "sequences of unnamed allreduce calls diverged at this call or before it"
+                in message):
+            failures.append(message)
+    hvd.shutdown()  # the last rank's second call never meets a partner
+    if hvd.gloo_enabled():
+        failures.append("gloo_enabled() after shutdown()")
+    hvd.init()
+    if hvd.allreduce(torch.ones(1), op=hvd.Sum).item() != size:  # numbered from 0 on every rank
+        failures.append("unnamed calls after init() do not pair up")
+    return failures
+
+
+# The last check leaves the ranks' unnamed calls out of step until it inits again: keep it last.
+CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
+          check_grouped_allgather_gradient, check_grouped_allreduce_forms,
+          check_failed_calls_leave_nothing_behind,
+          check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]
+
+
+def run_all_checks():
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    report = {check.__name__: check(hvd) for check in CHECKS}
+    hvd.shutdown()
+    return report
+
+
+# (np, the host of each rank or None for this one): one rank; shared memory; the TCP ring
+# over 2 hosts of uneven size, which is not homogeneous.
+SETUPS = [(1, None), (2, None), (3, "a,b,a")]
+
+
+@pytest.fixture(scope="module")
+def reports():
+    cache = {}
+
+    def for_setup(np, hosts):
+        if (np, hosts) not in cache:
+            with pytest.MonkeyPatch.context() as patch:
+                if hosts:  # read by each rank as it registers, from the environment it inherits
+                    patch.setenv("DDL_MAGIC_TEST_HOSTS", hosts)
+                cache[np, hosts] = run_on_ranks(run_all_checks, np, timeout_s=60)
+        return cache[np, hosts]
+
+    return for_setup
+
+
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
+@pytest.mark.parametrize("np, hosts", SETUPS)
+def test_horovod_api(reports, np, hosts, check):
+    failures = {rank: report[check] for rank, report in enumerate(reports(np, hosts))
+                if report[check]}
+    assert failures == {}
+
+
+def test_build_checks_answer_without_init():
+    """Scripts may ask before `init()`, as Horovod allows."""
+    import ddl_magic.torch as hvd
+
+    assert (hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.cuda_built()) == (
+        False, True, 0, torch.backends.cuda.is_built())
