@@ -226,3 +226,39 @@ def test_build_checks_answer_without_init():
 
     assert (hvd.mpi_built(), hvd.gloo_built(), hvd.nccl_built(), hvd.cuda_built()) == (
         False, True, 0, torch.backends.cuda.is_built())
+
+
+def unreducible_dtypes_and_a_failing_collective():
+    """A complex allreduce is refused before it is submitted; a collective that fails while it
+    runs (submitted past that check) fails its callers instead of leaving them waiting."""
+    import torch
+
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+    from ddl_magic.runtime.negotiation import Request
+
+    hvd.init()
+    seen = {}
+    try:
+        hvd.allreduce(torch.ones(3, dtype=torch.complex64))
+    except TypeError as exc:
+        seen["refused"] = str(exc)
+    seen["still_works"] = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
+    tensor = torch.ones(3, dtype=torch.complex64)
+    handle = context.current("test").queue.submit(
+        Request("complex.sum", "allreduce", tensor.dtype, tuple(tensor.shape), op=int(hvd.Sum)),
+        tensor, None, wait_follows=True)
+    try:
+        handle.wait()
+    except Exception as exc:
+        seen["failed"] = f"{type(exc).__name__}: {exc}"
+    return seen
+
+
+@pytest.mark.parametrize("np, transport", [(2, "auto"), (3, "auto"), (2, "tcp")])
+def test_an_unreducible_dtype_is_refused_and_a_failing_collective_never_hangs(np, transport):
+    for seen in run_on_ranks(unreducible_dtypes_and_a_failing_collective, np, timeout_s=60,
+                             env={"DDL_MAGIC_TRANSPORT": transport}):
+        assert "complex64 tensors cannot be reduced" in seen["refused"]
+        assert seen["still_works"] == [float(np)] * 2
+        assert "HorovodInternalError" in seen["failed"] and "complex64" in seen["failed"]

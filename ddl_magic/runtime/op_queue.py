@@ -189,7 +189,12 @@ class OpQueue:
                 continue
             if response.kind == "join":
                 entries[0].output = torch.tensor(response.last_joined_rank)
-            self._runner.run(response, entries)
+            try:
+                self._runner.run(response, entries)
+            except BaseException:
+                # `_fail` completes what is pending: these too, or their callers wait for ever.
+                self._pending.update((entry.request.name, entry) for entry in entries)
+                raise
             for entry in entries:
                 entry.handle._complete(output=entry.output)
 

@@ -34,6 +34,7 @@ from ..runtime import context
 from ..runtime.negotiation import Request
 from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp
+from .ops import check_reducible
 
 BACKEND_NAME = "ddl"
 NAME_WINDOW = 64  # collectives of one kind that may be in flight at once
@@ -164,7 +165,8 @@ class DdlProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts) -> _Work:
         op = _reduce_op(opts.reduceOp, "all_reduce")
         return self._work("all_reduce", [
-            ("allreduce", _contiguous(t, "all_reduce"), t, {"op": int(op)}, None) for t in tensors
+            ("allreduce", _contiguous(t, "all_reduce"), t, {"op": int(op)}, None)
+            for t in _reducible(tensors, "all_reduce")
         ], tensors)
 
     def allreduce_coalesced(self, tensors, opts) -> _Work:
@@ -203,6 +205,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         # An allreduce of the whole input, of which this rank keeps its part: twice the traffic
         # of a ring reduce-scatter, until the runtime has one of its own.
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        _reducible([input], "reduce_scatter")
         part = output.numel()
         start = self._rank * part
         return self._work("reduce_scatter", [
@@ -212,6 +215,7 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        _reducible([t for inputs in input_lists for t in inputs], "reduce_scatter")
         submissions = []
         for output, inputs in zip(outputs, input_lists):
             whole = torch.cat([t.detach().reshape(-1) for t in inputs])
@@ -229,6 +233,7 @@ class DdlProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, opts) -> _Work:
         _check_rank(opts.rootRank, self._size, "reduce")
         op = _reduce_op(opts.reduceOp, "reduce")
+        _reducible(tensors, "reduce")
         keep = self._rank == opts.rootRank
         return self._work("reduce", [
             ("allreduce", t.detach().contiguous(), None, {"op": int(op)},
@@ -267,6 +272,12 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     def scatter(self, *args, **kwargs):
         self._unsupported("scatter")
+
+
+def _reducible(tensors, call: str):
+    for tensor in tensors:
+        check_reducible(tensor, f"torch.distributed.{call}")
+    return tensors
 
 
 def _reduce_op(op: dist.ReduceOp, call: str) -> ReduceOp:

@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from ..kernels.casting import SUPPORTED_DTYPES as REDUCIBLE_DTYPES
 from ..runtime import context
 from ..runtime.negotiation import Request
 from ..runtime.op_queue import Handle
@@ -175,8 +176,17 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 def _allreduce_into(tensor, output, average, name, op, prescale, postscale, api,
                     wait_follows: bool = False) -> Handle:
     reduce_op = as_reduce_op(op, average)
+    check_reducible(tensor, api)
     return _submit(api, "allreduce", tensor, output, name, wait_follows, op=int(reduce_op),
                    prescale=float(prescale), postscale=float(postscale))
+
+
+def check_reducible(tensor: torch.Tensor, api: str) -> None:
+    """Refuse, on the caller's thread, a dtype the reduction kernels do not have."""
+    if tensor.dtype not in REDUCIBLE_DTYPES:
+        names = ", ".join(sorted(str(d).replace("torch.", "") for d in REDUCIBLE_DTYPES))
+        raise TypeError(f"{api}: {tensor.dtype} tensors cannot be reduced by ddl_magic; use one "
+                        f"of {names} (allgather and broadcast take any dtype)")
 
 
 class _DifferentiableAllreduce(torch.autograd.Function):
@@ -237,6 +247,8 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, api, in_
     submitted: a call that raises leaves nothing behind for the other ranks to wait on."""
     fields = dict(op=int(as_reduce_op(op, average)), prescale=float(prescale),
                   postscale=float(postscale))
+    for tensor in tensors:
+        check_reducible(tensor, api)
     with _op_name("grouped_allreduce", name) as base:
         return GroupHandle([_submit(api, "allreduce", tensor, tensor if in_place else None,
                                     f"{base}.{i}", wait_follows, **fields)
