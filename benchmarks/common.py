@@ -17,6 +17,7 @@ each side is reported (``best_of``): the machine may be shared with other work.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -257,3 +258,18 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     }
     path.write_text(json.dumps(document, indent=2))
     return path
+
+
+def parse_step_timing_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse `parser`'s arguments plus --steps, --warmup, --repeats and --quick, the options
+    every benchmark that times training steps takes, with their defaults filled in."""
+    parser.add_argument("--steps", type=int, help="timed steps per run (default 300, --quick 50)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
+    parser.add_argument("--repeats", type=int,
+                        help="runs of each side, interleaved; the least disturbed is reported "
+                             "(default 2, --quick 1)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 50 timed steps, one repeat")
+    args = parser.parse_args()
+    args.steps = args.steps or (50 if args.quick else 300)
+    args.repeats = args.repeats or (1 if args.quick else 2)
+    return args

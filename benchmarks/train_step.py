@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common import (best_of, interleaved, print_table, run_gloo, run_ours, slowest_rank, spread, summarize,
-                    time_iterations, warn_if_busy, write_results)
+from common import (best_of, interleaved, parse_step_timing_arguments, print_table, run_gloo, run_ours,
+                    slowest_rank, spread, summarize, time_iterations, warn_if_busy, write_results)
 
 WORLD_SIZES = (1, 2)
 BATCHES_IN_ROTATION = 8
@@ -257,16 +257,7 @@ def parse_arguments() -> argparse.Namespace:
                         help="which workloads (default: all)")
     parser.add_argument("--np", type=int, nargs="+", default=list(WORLD_SIZES),
                         help="world sizes (default 1 2; efficiency and the targets need 2)")
-    parser.add_argument("--steps", type=int, help="timed steps per run (default 300, --quick 50)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
-    parser.add_argument("--repeats", type=int,
-                        help="runs of each side, interleaved; the least disturbed is reported "
-                             "(default 2, --quick 1)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 50 timed steps, one repeat")
-    args = parser.parse_args()
-    args.steps = args.steps or (50 if args.quick else 300)
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    return args
+    return parse_step_timing_arguments(parser)
 
 
 if __name__ == "__main__":
