@@ -16,27 +16,18 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 from .capture import capture_function
 from .job import Job, JobOptions, RunResult
+from .launch import spark_session
 from .launch.local import LocalLauncher
-
-
-def active_spark_session():
-    """The active SparkSession, or None (without importing pyspark when nobody has)."""
-    if "pyspark" not in sys.modules:
-        return None
-    from pyspark.sql import SparkSession
-
-    return SparkSession.getActiveSession()
 
 
 def make_launcher(spark: bool | None):
     """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active)."""
     if spark is None:
-        spark = active_spark_session() is not None
+        spark = spark_session() is not None
     if not spark:
         return LocalLauncher()
     from .launch.spark import SparkLauncher

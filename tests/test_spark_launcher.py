@@ -9,6 +9,7 @@ import collections
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import cloudpickle
@@ -189,8 +190,30 @@ def test_without_an_active_session_the_error_says_what_to_do(monkeypatch):
     from pyspark.sql import SparkSession
 
     monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
+    monkeypatch.setattr(SparkSession, "_instantiatedSession", None)
     with pytest.raises(RuntimeError, match=r"SparkSession.builder.getOrCreate\(\).*--local"):
         SparkLauncher()
+
+
+def test_a_run_started_from_another_thread_finds_the_notebooks_session(spark):
+    """pyspark's active session is per thread; the default one serves every thread."""
+    from ddl_magic.runner import make_launcher
+
+    outcome = {}
+
+    def run_elsewhere():
+        try:
+            outcome["launcher"] = type(make_launcher(spark=None)).__name__
+            outcome["ranks"] = run_on_spark(allreduce_ranks, 2).results
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run_elsewhere)
+    thread.start()
+    thread.join(timeout=RUN_TIMEOUT_S)
+    assert "error" not in outcome, outcome
+    assert outcome["launcher"] == "SparkLauncher"
+    assert sorted(outcome["ranks"]) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_gpus_without_spark_gpu_resources_is_an_error_before_launch(spark):

@@ -32,6 +32,7 @@ from pyspark import InheritableThread
 from pyspark.accumulators import AccumulatorParam, AddingAccumulatorParam
 
 from ..events import RankFailed
+from . import spark_session
 from .local import ProcessExited
 
 # How many lines of a rank's own stdout/stderr (what it printed before it could report over
@@ -130,9 +131,7 @@ class SparkLauncher:
 
 
 def _active_session():
-    from pyspark.sql import SparkSession
-
-    session = SparkSession.getActiveSession()
+    session = spark_session()
     if session is None:
         raise RuntimeError(
             "ranks as Spark barrier tasks need an active SparkSession, and there is none. "
