@@ -34,7 +34,10 @@ def spark():
 
 LEFTOVER_GRACE_S = float(os.environ.get("DDL_MAGIC_TEST_LEFTOVER_GRACE_S", "10"))  # a run's ranks may still be on their way out when its test returns
 _FACTORY_COMMAND = "from ddl_magic.launch.rank_factory import serve"
-_MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark")
+# Started once and reused by what starts them: Spark's JVM and Python workers, and Python's
+# own per-process helpers (multiprocessing's resource tracker and forkserver).
+_MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark",
+                       "multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +45,7 @@ def no_process_outlives_its_test():
     """Whatever a test starts — ddlrun, ranks, a kernel — is gone when it ends, pass or fail.
 
     What outlives its test on purpose is left alone: a rank factory (one per driver process,
-    kept warm), Spark's JVM and its Python workers. Anything else still running
+    kept warm), Spark's JVM and its Python workers, multiprocessing's helpers. Anything else still running
     `LEFTOVER_GRACE_S` after the test is killed with its whole process tree, and the test
     errors, naming it: a leak found, not hidden.
     """
