@@ -262,3 +262,29 @@ def test_an_unreducible_dtype_is_refused_and_a_failing_collective_never_hangs(np
         assert "complex64 tensors cannot be reduced" in seen["refused"]
         assert seen["still_works"] == [float(np)] * 2
         assert "HorovodInternalError" in seen["failed"] and "complex64" in seen["failed"]
+
+
+def pending_at_shutdown():
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    hvd.barrier()
+    if hvd.rank() == 0:
+        hvd.shutdown()
+        return None
+    try:  # refused at once if rank 0's shutdown got here first
+        handle = hvd.allreduce_async(torch.ones(2), name="only.rank.1")  # rank 0 never submits it
+        hvd.shutdown()
+        hvd.synchronize(handle)
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+    return "completed"
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_collective_pending_at_shutdown_fails_instead_of_waiting_for_ever(transport):
+    _, follower = run_on_ranks(pending_at_shutdown, 2, timeout_s=60,
+                               env={"DDL_MAGIC_TRANSPORT": transport})
+    assert "shut down" in follower

@@ -53,6 +53,10 @@ class TcpOpQueue(OpQueue):
             self._closing = True
         self._wake()
         self._thread.join(timeout=self.transport.op_timeout)
+        if not self._thread.is_alive():  # what it left pending now has nobody to run it
+            self._fail(HorovodInternalError(
+                "this rank has shut down (hvd.shutdown(), or its function returned): a "
+                "collective still pending will not run"))
         self._runner.close()
         self._wake_receiver.close()
         self._wake_sender.close()
