@@ -35,8 +35,8 @@ def rank_environment(world: World, torch_master: tuple[str, int], run_id: str) -
     >>> [env[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")]
     ['3', '1', '2', '1', '29500']
     """
-    host = world.peers[world.rank].host if world.peers else socket.gethostname()
-    hosts = world.hosts or [host]
+    host = world.peers[world.rank].host
+    hosts = world.hosts
     values = {
         "RANK": world.rank, "WORLD_SIZE": world.size,
         "LOCAL_RANK": world.local_rank, "LOCAL_WORLD_SIZE": world.local_size,

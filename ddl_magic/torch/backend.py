@@ -189,10 +189,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         ], output_lists)
 
     def all_gather_single(self, output, input, opts) -> _Work:
-        return self._work("all_gather_single", [
-            ("allgather", input.detach().reshape(-1).contiguous(), None, {},
-             lambda gathered: output.view(-1).copy_(gathered))
-        ], [output])
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
         return self._work("all_gather_single", [
@@ -201,34 +198,27 @@ class DdlProcessGroup(dist.ProcessGroup):
             for o, i in zip(outputs, inputs)
         ], outputs)
 
+    # A reduce-scatter is, for now, an allreduce of the whole input of which this rank keeps
+    # its part: twice the traffic of a ring reduce-scatter, until the runtime has one of its own.
+
     def reduce_scatter_single(self, output, input, opts) -> _Work:
-        # An allreduce of the whole input, of which this rank keeps its part: twice the traffic
-        # of a ring reduce-scatter, until the runtime has one of its own.
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
-        _reducible([input], "reduce_scatter")
-        part = output.numel()
-        start = self._rank * part
         return self._work("reduce_scatter", [
-            ("allreduce", input.detach().reshape(-1).contiguous(), None, {"op": int(op)},
-             lambda reduced: output.view(-1).copy_(reduced[start:start + part]))
-        ], [output])
+            _keep_part(o, i.detach().reshape(-1), self._rank * o.numel(), op)
+            for o, i in zip(outputs, _reducible(inputs, "reduce_scatter"))
+        ], outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
         _reducible([t for inputs in input_lists for t in inputs], "reduce_scatter")
-        submissions = []
-        for output, inputs in zip(outputs, input_lists):
-            whole = torch.cat([t.detach().reshape(-1) for t in inputs])
-            start = sum(t.numel() for t in inputs[:self._rank])
-            submissions.append(("allreduce", whole, None, {"op": int(op)},
-                                lambda reduced, output=output, start=start:
-                                output.view(-1).copy_(reduced[start:start + output.numel()])))
-        return self._work("reduce_scatter", submissions, outputs)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _Work([h for w in works for h in w._handles],
-                     torch.futures.collect_all([w.get_future() for w in works]))
+        return self._work("reduce_scatter", [
+            _keep_part(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
+                       sum(t.numel() for t in inputs[:self._rank]), op)
+            for output, inputs in zip(outputs, input_lists)
+        ], outputs)
 
     def reduce(self, tensors, opts) -> _Work:
         _check_rank(opts.rootRank, self._size, "reduce")
@@ -299,6 +289,13 @@ def _contiguous(tensor: torch.Tensor, call: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(f"torch.distributed.{call} on the ddl backend needs contiguous tensors")
     return tensor.detach()
+
+
+def _keep_part(output: torch.Tensor, whole: torch.Tensor, start: int, op: ReduceOp) -> tuple:
+    """The submission that allreduces `whole` and copies its part from `start` into `output`."""
+    part = output.numel()
+    return ("allreduce", whole.contiguous(), None, {"op": int(op)},
+            lambda reduced: output.view(-1).copy_(reduced[start:start + part]))
 
 
 def _copy_chunks(gathered: torch.Tensor, outputs: list[torch.Tensor]) -> None:
