@@ -583,12 +583,10 @@ def _bus_traffic(events: pd.DataFrame, at: np.ndarray, default_world_size: int) 
     one_phase = (world - 1) / world
     is_phase = np.isin(lane, _RING_PHASES)
     share = np.where(is_phase, one_phase, np.where(lane == "broadcast", 1.0, math.nan))
-    shared_memory = np.flatnonzero(lane == "shared_memory")
-    for i, op in zip(shared_memory, events["op"].to_numpy()[at][shared_memory]):
-        if op == "broadcast":
-            share[i] = 1.0
-        elif isinstance(op, str) and op in _RING_PHASES_OF_SHARED_MEMORY_OP:
-            share[i] = _RING_PHASES_OF_SHARED_MEMORY_OP[op] * one_phase[i]
+    op = events["op"].iloc[at]
+    shared_memory_share = np.where((op == "broadcast").to_numpy(), 1.0,
+                                   op.map(_RING_PHASES_OF_SHARED_MEMORY_OP).to_numpy(float) * one_phase)
+    share = np.where(lane == "shared_memory", shared_memory_share, share)
     carrying = ~np.isnan(nbytes) & ~np.isnan(share)
     start = events["start_us"].to_numpy()[at]
     end = start + events["duration_us"].to_numpy()[at]
