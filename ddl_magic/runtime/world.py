@@ -75,8 +75,7 @@ class World:
     @property
     def uniform_hosts(self) -> bool:
         """Several hosts, each with the same number (more than one) of ranks."""
-        sizes = {len(self.ranks_on(host)) for host in self.hosts}
-        return len(self.hosts) > 1 and len(sizes) == 1 and sizes.pop() > 1
+        return len(self.hosts) > 1 and self.homogeneous and self.local_size > 1
 
 
 def derive_world(rank: int, peers: list[Peer]) -> World:
