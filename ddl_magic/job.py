@@ -25,7 +25,6 @@ from .events import (RankFailed, RankFinished, RankOutput, RankStarted, Timeline
 from .launch.local import ProcessExited, describe_exit
 from .protocol import ABORTED_EXIT_CODE, new_secret
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
-from .trace_writer import TraceWriter
 from .ui import make_display
 
 REFRESH_INTERVAL_S = 0.1
@@ -180,6 +179,13 @@ class Job:
         return record
 
 
+def _open_trace(path: str):
+    """The trace files of a ``--timeline`` run; pyarrow is imported only by runs that record one."""
+    from .trace_columns import TraceFiles
+
+    return TraceFiles(path)
+
+
 class _RunWatcher:
     """Applies events to the run record, the display, the log files and the timeline."""
 
@@ -188,7 +194,7 @@ class _RunWatcher:
         self.display = display
         self._logs = {r.rank: open(r.log_path, "a", encoding="utf-8", buffering=1)
                       for r in record.ranks}
-        self._trace = TraceWriter(timeline_path) if timeline_path else None
+        self._trace = _open_trace(timeline_path) if timeline_path else None
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
         self._stopping = False
@@ -242,6 +248,7 @@ class _RunWatcher:
         if isinstance(event, TimelineBatch):
             if self._trace is not None:
                 self._trace.write(event.rank, event.events)
+            self.display.handle(event)  # the live lanes and the running summary
             return
         if isinstance(event, TimelineStarted):
             self._start_trace(event.path)
@@ -265,7 +272,7 @@ class _RunWatcher:
         """The first rank to call hvd.start_timeline(path) decides where the run's trace goes."""
         if self._trace is not None:
             return
-        self._trace = TraceWriter(path)
+        self._trace = _open_trace(path)
         self.record.timeline_path = path
         for rank in self.record.ranks:
             if rank.started_at is not None:

@@ -195,20 +195,37 @@ def _encode(event: dict[str, Any]) -> bytes:
     try:
         return _strict_json(event)
     except ValueError:
-        # A NaN or infinity in args (a diverged loss): JSON has no such numbers and the
-        # browser's JSON.parse rejects the whole file, so those arguments become text.
-        args = {}
-        for key, value in event["args"].items():
-            try:
-                _strict_json(value)
-                args[key] = value
-            except ValueError:
-                args[key] = str(value)
-        return _strict_json({**event, "args": args})
+        return _strict_json({**event, "args": json_safe_args(event["args"])})
+
+
+def json_safe_args(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with every value JSON cannot hold as a number (NaN, infinity: a diverged
+    loss) turned into its text; the browser's JSON.parse would reject the whole file.
+
+    Example:
+        >>> json_safe_args({"loss": float("nan"), "step": 3})
+        {'loss': 'nan', 'step': 3}
+    """
+    safe = {}
+    for key, value in args.items():
+        try:
+            _strict_json(value)
+            safe[key] = value
+        except ValueError:
+            safe[key] = str(value)
+    return safe
 
 
 def _strict_json(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False, default=_as_json_value).encode()
+
+
+def args_json(args: dict[str, Any]) -> str:
+    """``args`` as the compact JSON text the trace holds them in, NaN mended as above."""
+    try:
+        return _strict_json(args).decode()
+    except ValueError:
+        return _strict_json(json_safe_args(args)).decode()
 
 
 def _as_json_value(value: Any) -> Any:

@@ -9,6 +9,8 @@ TorchDistributor show one merged stream), so this view keeps every rank apart::
     │ 1    │ failed  │ node-b │ 3.2 s   │ RuntimeError: NaN loss │   <- row in red
     └──────┴─────────┴────────┴─────────┴────────────────────────┘
     rank 1 on node-b failed: exception        <- its traceback, above the tabs
+    wait / communicate / compute % per rank   <- a --timeline run: its lanes, growing once a
+    [ lanes: rank · lane over time ]             second; zoom redraws, a click opens that rank's tab
     [ all ranks | rank 0 | rank 1 ✗ | ... ]   <- "all ranks" labels each line [r]
 
 ``handle(event)`` only changes Python-side state and ``refresh()`` pushes what changed to
@@ -19,6 +21,7 @@ Each log keeps only its last ``max_lines`` lines; the full logs are on disk in `
 from __future__ import annotations
 
 import html
+import math
 import os
 import time
 from collections import deque
@@ -39,6 +42,7 @@ OUTCOME_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
 FAILED_ROW_BACKGROUND = "#ffebee"
 LAST_LINE_CHARS = 160
 LOG_HEIGHT = "360px"
+LIVE_TIMELINE_INTERVAL_S = 1.0
 
 
 class LogLine:
@@ -138,6 +142,11 @@ class RunView:
         self._rank_tabs = [widgets.HTML() for _ in range(np)]
         self._tabs = widgets.Tab(children=[self._all_tab, *self._rank_tabs])
         self._root = widgets.VBox([self._banner, self._table, self._failure, self._tabs])
+        # A --timeline run's lanes; made when its first batch arrives (plotly is slow to import).
+        self._live = None
+        self._live_summary = widgets.HTML()
+        self._live_lanes = None
+        self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and when
         self.refresh()
 
     @property
@@ -154,6 +163,7 @@ class RunView:
     def handle(self, event: Event) -> None:
         """Take one event into the view's state; the widgets change on the next ``refresh()``."""
         if isinstance(event, TimelineBatch):
+            self._add_timeline(event)
             return
         rank = self._rank(event.rank)
         if isinstance(event, RankStarted):
@@ -187,6 +197,12 @@ class RunView:
         if self._all_changed:
             self._all_tab.value = self._render_log(self._all, self._log_note(self._all, None), labelled=True)
             self._all_changed = False
+        if self._live is not None and now - self._live_drawn[1] >= LIVE_TIMELINE_INTERVAL_S:
+            self._draw_timeline(now)
+
+    def show_rank(self, rank: int) -> None:
+        """Open rank ``rank``'s log tab (what clicking one of its lanes does)."""
+        self._tabs.selected_index = self._rank(rank).rank + 1
 
     def finish(self, status: str) -> None:
         """End the run with ``status`` ("done", "failed" or "interrupted"): final banner, clocks stop.
@@ -203,6 +219,8 @@ class RunView:
             if not rank.ended:
                 self._end(rank, "stopped")
         self.refresh()
+        if self._live is not None:
+            self._draw_timeline(self._finished_at)
 
     def state(self) -> dict:
         """A plain snapshot of the view, for tests and for the run's record."""
@@ -236,7 +254,54 @@ class RunView:
                 "lines": [f"[{line.rank}] {line.text}" for line in self._all.lines],
                 "dropped": self._all.dropped,
             },
+            "selected_tab": self._tabs.selected_index,
+            "timeline": None if self._live_lanes is None else {
+                "summary": self._live.summary(),
+                "rows": list(self._live_lanes.trace.rows),
+                "events_drawn": len(self._live_lanes.trace.events),
+            },
         }
+
+    def _add_timeline(self, batch: TimelineBatch) -> None:
+        if self._live is None:
+            from .live_timeline import LiveTimeline
+
+            self._live = LiveTimeline()
+        self._rank(batch.rank)
+        self._live.add(batch.rank, batch.events)
+
+    def _draw_timeline(self, now: float) -> None:
+        """Redraw the lanes and the running summary, if a batch arrived since the last time."""
+        if self._live.version == self._live_drawn[0]:
+            return
+        self._live_drawn = (self._live.version, now)
+        self._live.rank_names = {r.rank: f"rank {r.rank} ({r.host})" if r.host else f"rank {r.rank}"
+                                 for r in self._ranks}
+        self._live_summary.value = self._render_timeline_summary()
+        trace = self._live.trace()
+        if self._live_lanes is None:
+            from .timeline_widget import ZoomableTimeline
+
+            self._live_lanes = ZoomableTimeline(trace, on_rank_click=self.show_rank)
+            children = list(self._root.children)
+            self._root.children = (*children[:-1], self._live_summary, self._live_lanes.widget, children[-1])
+        else:
+            self._live_lanes.replace_trace(trace)
+
+    def _render_timeline_summary(self) -> str:
+        from .timeline_viewer import format_percent
+
+        rows = []
+        for rank, numbers in self._live.summary().items():
+            wall = numbers["wall_ms"]
+            shares = "".join(
+                f"<td>{format_percent(100.0 * numbers[f'{kind}_ms'] / wall) if wall > 0 else '–'}</td>"
+                for kind in ("wait", "communicate", "compute"))
+            rows.append(f"<tr><td>{rank}</td>{shares}<td>{wall / 1000.0:.1f}</td></tr>")
+        header = ("<tr><th>rank</th><th>wait %</th><th>communicate %</th><th>compute %</th>"
+                  "<th>recorded s</th></tr>")
+        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+        return f'<b>timeline so far</b><table style="{style}">{header}{"".join(rows)}</table>'
 
     def _rank(self, rank: int) -> RankState:
         if not 0 <= rank < self.np:

@@ -11,6 +11,11 @@ Every line a rank prints comes out once, prefixed with its rank::
 A tqdm bar redraws itself many times a second; printing every redraw would bury the log,
 so a rank's progress line is printed only when a normal line follows it, every couple of
 seconds while it keeps changing, and when the run finishes.
+
+A ``--timeline`` run also prints, every few seconds while new timeline batches arrive and
+once at the end, where each rank's time went so far::
+
+    [timeline] 12.0 s · % of time waiting/communicating/computing: rank 0 12/30/5.1 · rank 1 52/20/4.8
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ..events import Event, RankFailed, RankOutput, RankStarted
+from ..events import Event, RankFailed, RankOutput, RankStarted, TimelineBatch
 
 PROGRESS_INTERVAL_S = 2.0
+TIMELINE_SUMMARY_INTERVAL_S = 5.0
 
 
 class TextDisplay:
@@ -65,6 +71,8 @@ class TextDisplay:
         self._progress_printed_at = [float("-inf")] * np
         self._last_written: TextIO | None = None
         self._finished = False
+        self._timeline = None  # a LiveTimeline, once a --timeline run's first batch arrives
+        self._timeline_printed = (0, clock())  # the LiveTimeline version printed, and when
 
     def display(self) -> None:
         """Nothing to show before the first event; present so both displays share one API."""
@@ -73,6 +81,13 @@ class TextDisplay:
         """Print what ``event`` says, if anything (progress lines may wait, see the module doc)."""
         if isinstance(event, RankStarted):
             self._hosts[self._check_rank(event.rank)] = event.host
+        elif isinstance(event, TimelineBatch):
+            self._check_rank(event.rank)
+            if self._timeline is None:
+                from .live_timeline import LiveTimeline
+
+                self._timeline = LiveTimeline()
+            self._timeline.add(event.rank, event.events)
         elif isinstance(event, RankOutput):
             self._check_rank(event.rank)
             if self.quiet:
@@ -94,6 +109,7 @@ class TextDisplay:
         """Print progress lines that have waited long enough, and flush what was printed."""
         for rank in range(self.np):
             self._print_progress(rank, only_if_due=True)
+        self._print_timeline_summary(only_if_due=True)
         self._flush()
 
     def finish(self, status: str) -> None:
@@ -105,6 +121,7 @@ class TextDisplay:
         self._finished = True
         for rank in range(self.np):
             self._print_progress(rank)
+        self._print_timeline_summary()
         elapsed = f"{self._clock() - self._started_at:.1f} s"
         if status == "done":
             summary = f"done: {self.np} ranks in {elapsed}"
@@ -133,6 +150,16 @@ class TextDisplay:
         self._print_line(pending)
         self._pending_progress[rank] = None
         self._progress_printed_at[rank] = now
+
+    def _print_timeline_summary(self, only_if_due: bool = False) -> None:
+        """The running timeline summary, if batches arrived since it was last printed."""
+        if self._timeline is None or self.quiet or self._timeline.version == self._timeline_printed[0]:
+            return
+        now = self._clock()
+        if only_if_due and now - self._timeline_printed[1] < TIMELINE_SUMMARY_INTERVAL_S:
+            return
+        self._write(self._out(), self._timeline.summary_line(now - self._started_at))
+        self._timeline_printed = (self._timeline.version, now)
 
     def _print_line(self, event: RankOutput) -> None:
         stream = self._err() if event.stream == "stderr" else self._out()

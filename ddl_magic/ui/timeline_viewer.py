@@ -43,8 +43,11 @@ import numpy as np
 import pandas as pd
 import plotly.colors
 import plotly.graph_objects as go
+import pyarrow as pa
 
-DEFAULT_MAX_SHAPES = 20_000
+from ..trace_columns import COLUMNAR_SUFFIX, columnar_path, read_columnar_trace
+
+DEFAULT_MAX_SHAPES = 5_000
 """Above this many events the figure draws merged busy intervals instead of every event."""
 
 # What each of our lanes spends the rank's time on. A tensor negotiates from its submission
@@ -71,6 +74,9 @@ _OUR_LANE_CATEGORIES = {
 _RING_PHASES = ("scatter_reduce", "allgather")
 _RING_PHASES_OF_SHARED_MEMORY_OP = {"allreduce": 2, "hierarchical allreduce": 2, "allgather": 1}
 
+# The kinds of time a lane records, as ``lane_category`` names them.
+_KINDS = ("compute", "communicate", "wait", "other")
+
 # What the shown summary says for a number the trace did not record.
 NOT_MEASURED = "\N{EN DASH}"
 
@@ -90,11 +96,13 @@ _LANE_COLORS = plotly.colors.qualitative.Plotly + plotly.colors.qualitative.Dark
 class TraceData:
     """A loaded timeline: one row of ``events`` per event.
 
-    ``events`` columns: ``rank`` (int), ``lane`` (categorical), ``name``, ``start_us`` and
-    ``duration_us`` (float microseconds), ``bytes`` and ``world_size`` (float, NaN where the
-    event does not say), ``op`` (the collective a ``shared_memory`` event ran, as its args
-    give it: "allreduce", "allgather", ...; None elsewhere) and ``tensors`` (a tuple of the
-    tensor names the event's args give as ``tensors`` or ``tensor``; empty if none).
+    ``events`` columns: ``rank`` (int), ``lane`` (categorical), ``name`` (text), ``start_us``
+    and ``duration_us`` (float microseconds), ``bytes`` and ``world_size`` (float, NaN where
+    the event does not say), ``op`` (categorical: the collective a ``shared_memory`` event
+    ran, as its args give it, "allreduce", "allgather", ...; missing elsewhere) and
+    ``tensors`` (a list of the tensor names the event's args give as ``tensors`` or
+    ``tensor``; empty if none). ``name`` and ``tensors`` are Arrow-backed columns: a trace
+    of ten million events holds no Python object per event.
     ``rows`` lists the
     (rank, lane) rows in display order, ``rank_names`` labels ranks ("rank 0 (node-a)"),
     ``source`` is "ddl_magic" or "horovod", and ``truncated`` says the file was cut short
@@ -134,14 +142,26 @@ class TraceData:
 def load_trace(path: str | os.PathLike[str]) -> TraceData:
     """Read a ddl_magic trace or a Horovod timeline file.
 
-    A file cut short (no closing ``]``, a trailing comma, half an event at the end) is read
-    up to its last complete event and marked ``truncated``.
+    A run of ddl_magic writes its events twice: the Chrome trace at ``path`` and the same
+    events in columns beside it (``run.timeline.arrow``, see ``ddl_magic.trace_columns``).
+    The columns are read when they are there, which takes a fraction of a second where
+    parsing the JSON takes many; ``path`` may also name the ``.arrow`` file itself. Other
+    traces (Horovod's, Chrome's) are parsed as JSON.
+
+    A file cut short (no closing ``]``, a trailing comma, half an event at the end; half a
+    batch of columns) is read up to its last complete event and marked ``truncated``.
 
     Example:
         >>> trace = load_trace("run.timeline.json")         # doctest: +SKIP
         >>> trace.events.groupby("lane").duration_us.sum()  # doctest: +SKIP
     """
     path = Path(path)
+    columns = path if path.suffix == COLUMNAR_SUFFIX else columnar_path(path)
+    if columns.exists():
+        table, rank_names, truncated = read_columnar_trace(columns)
+        trace = _from_columns(table, rank_names)
+        trace.truncated, trace.path = truncated, path
+        return trace
     with _garbage_collection_paused():
         document, truncated = _parse_leniently(path.read_bytes())
         if isinstance(document, dict):
@@ -210,13 +230,15 @@ def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
     events = trace.events
     if events.empty:
         return pd.DataFrame(columns=columns).rename_axis("rank")
-    category = events["lane"].map(lane_category).astype(str).to_numpy()
+    category = _per_category(events["lane"], lambda lane: _KINDS.index(lane_category(lane)),
+                             _KINDS.index("other"), np.int8)
     start = events["start_us"].to_numpy()
     end = start + events["duration_us"].to_numpy()
     world_size = len(trace.rank_names) or 1
+    top_tensors = _top_tensors(events, category != _KINDS.index("other"), top)
     rows = []
     for rank, at in events.groupby("rank", sort=True).indices.items():
-        in_category = {kind: at[category[at] == kind] for kind in ("compute", "communicate", "wait")}
+        in_category = {kind: at[category[at] == _KINDS.index(kind)] for kind in _KINDS[:3]}
         busy = np.concatenate([in_category["compute"], in_category["communicate"]])
         wall_us = end[at].max() - start[at].min()
         bus_bytes, bus_us = _bus_traffic(events, at, world_size)
@@ -225,13 +247,13 @@ def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
             "name": trace.rank_names.get(rank, f"rank {rank}"),
             "events": len(at),
             "wall_ms": wall_us / 1000.0,
-            **{f"{kind}_ms": _union_length(start[i], end[i]) / 1000.0 if len(i) else math.nan
+            **{f"{kind}_ms": union_length(start[i], end[i]) / 1000.0 if len(i) else math.nan
                for kind, i in in_category.items()},
-            "busy_fraction": (_union_length(start[busy], end[busy]) / wall_us
+            "busy_fraction": (union_length(start[busy], end[busy]) / wall_us
                               if len(busy) and wall_us > 0 else math.nan),
             "bus_bytes": bus_bytes,
             "bus_gbps": bus_bytes / bus_us / 1000.0 if bus_us > 0 else math.nan,
-            "top_tensors": _top_tensors(events, at[category[at] != "other"], top),
+            "top_tensors": top_tensors.get(rank, ""),
         })
     return pd.DataFrame(rows, columns=["rank", *columns]).set_index("rank")
 
@@ -255,8 +277,8 @@ def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame({
         "wall ms": wall.map(_format_number),
         "wait ms": summary["wait_ms"].map(_format_number),
-        "wait %": (100.0 * summary["wait_ms"] / wall.where(wall > 0)).map(_format_percent),
-        "busy %": (100.0 * summary["busy_fraction"]).map(_format_percent),
+        "wait %": (100.0 * summary["wait_ms"] / wall.where(wall > 0)).map(format_percent),
+        "busy %": (100.0 * summary["busy_fraction"]).map(format_percent),
         "compute ms": summary["compute_ms"].map(_format_number),
         "communicate ms": summary["communicate_ms"].map(_format_number),
         "bus GB/s": summary["bus_gbps"].map(_format_number),
@@ -449,7 +471,7 @@ def _from_chrome_events(raw_events: list[dict[str, Any]]) -> TraceData:
     if None in lanes or "" in lanes:
         lanes = [lane or thread_names.get((rank, tid)) or f"thread {tid}"
                  for lane, rank, tid in zip(lanes, ranks, tids)]
-    events = _events_frame(ranks, lanes, names, starts, durations, args)
+    events = _eventsevents_table(ranks, lanes, names, starts, durations, args)
     for rank in events["rank"].unique():
         rank_names.setdefault(int(rank), f"rank {rank}")
     # The writer numbers a lane's tid by its fixed order, so sorting by tid keeps rows stable.
@@ -503,12 +525,12 @@ def _from_horovod_events(raw_events: list[dict[str, Any]]) -> TraceData:
         for activity, start in spans:
             tensor = tensor_of_pid.get(pid, "")
             add(activity, f"{tensor} (unfinished)", start, last_ts - start, {"tensor": tensor})
-    events = _events_frame(ranks, lanes, names, starts, durations, args)
+    events = _eventsevents_table(ranks, lanes, names, starts, durations, args)
     rows = [(0, lane) for lane in dict.fromkeys(lanes)]
     return TraceData(events, rows, {0: "rank 0"} if lanes else {}, "horovod")
 
 
-def _events_frame(
+def _eventsevents_table(
     ranks: Sequence[int],
     lanes: Sequence[str],
     names: Sequence[str],
@@ -516,23 +538,78 @@ def _events_frame(
     durations: Sequence[float],
     args: Sequence[dict[str, Any] | None],
 ) -> pd.DataFrame:
-    """The columnar event table, in the order the events were given.
+    """The columnar event table of events parsed from JSON, in the order they were given.
 
     Only what the viewer uses is kept from ``args``. Keeping the dicts themselves (a million
     of them, holding lists) would make every later full garbage collection in the notebook
     walk them all, about a second each time.
     """
+    return events_table(
+        rank=np.asarray(ranks, dtype=np.int64),
+        lane=pd.Categorical(lanes),
+        name=pa.array(names, pa.string()),
+        start_us=_numbers(starts),
+        duration_us=_numbers(durations),
+        nbytes=_numbers([a.get("bytes") if a else None for a in args]),
+        world_size=_numbers([a.get("size") if a else None for a in args]),
+        op=pd.Categorical([a.get("op") if a else None for a in args]),
+        tensors=pa.array(list(map(_tensor_names, args)), pa.list_(pa.string())),
+    )
+
+
+def _from_columns(table: pa.Table, rank_names: dict[int, str]) -> TraceData:
+    """A trace from the columns ``ddl_magic.trace_columns`` wrote: no per-event Python object.
+
+    Lane codes follow the Chrome trace's tid order, so rows sort by (rank, lane code).
+    """
+    lane = _categorical(table.column("lane"))
+    events = events_table(
+        rank=table.column("rank").to_numpy().astype(np.int64),
+        lane=lane,
+        name=table.column("name"),
+        start_us=table.column("start_us").to_numpy(),
+        duration_us=table.column("duration_us").to_numpy(),
+        nbytes=table.column("bytes").to_numpy(),
+        world_size=table.column("world_size").cast(pa.float64()).to_numpy(),
+        op=_categorical(table.column("op")),
+        tensors=table.column("tensors"),
+    )
+    for rank in np.unique(events["rank"].to_numpy()):
+        rank_names.setdefault(int(rank), f"rank {rank}")
+    codes = pd.DataFrame({"rank": events["rank"].to_numpy(), "lane": lane.codes}).drop_duplicates()
+    rows = [(int(rank), lane.categories[code])
+            for rank, code in sorted(zip(codes["rank"], codes["lane"]))]
+    return TraceData(events, rows, dict(sorted(rank_names.items())), "ddl_magic")
+
+
+def events_table(*, rank: np.ndarray, lane: pd.Categorical, name: pa.Array | pa.ChunkedArray,
+           start_us: np.ndarray, duration_us: np.ndarray, nbytes: np.ndarray, world_size: np.ndarray,
+           op: pd.Categorical, tensors: pa.Array | pa.ChunkedArray) -> pd.DataFrame:
+    """The event table ``TraceData`` documents. Names and tensor lists stay in Arrow memory,
+    so a big trace holds no Python object per event."""
     return pd.DataFrame({
-        "rank": np.asarray(ranks, dtype=np.int64),
-        "lane": pd.Categorical(lanes),
-        "name": pd.Series(names, dtype=object),
-        "start_us": _numbers(starts),
-        "duration_us": np.maximum(_numbers(durations), 0.0),
-        "bytes": _numbers([a.get("bytes") if a else None for a in args]),
-        "world_size": _numbers([a.get("size") if a else None for a in args]),
-        "op": pd.Series([a.get("op") if a else None for a in args], dtype=object),
-        "tensors": pd.Series(list(map(_tensor_names, args)), dtype=object),
-    })
+        "rank": rank,
+        "lane": lane,
+        "name": pd.arrays.ArrowExtensionArray(name),
+        "start_us": start_us,
+        "duration_us": np.maximum(duration_us, 0.0),
+        "bytes": nbytes,
+        "world_size": world_size,
+        "op": op,
+        "tensors": pd.arrays.ArrowExtensionArray(tensors),
+    }, copy=False)
+
+
+def _categorical(column: pa.ChunkedArray) -> pd.Categorical:
+    """A dictionary column as a pandas categorical, codes copied once, missing values -1.
+
+    Every chunk's dictionary extends the one before it (``trace_columns`` writes deltas), so
+    the longest dictionary holds every chunk's codes.
+    """
+    chunks = column.chunks
+    dictionary = max((c.dictionary for c in chunks), key=len, default=pa.array([], pa.string()))
+    codes = np.concatenate([c.indices.fill_null(-1).to_numpy() for c in chunks]) if chunks else []
+    return pd.Categorical.from_codes(np.asarray(codes, dtype=np.int32), categories=dictionary.to_pylist())
 
 
 def _sortable_number(value: Any) -> float:
@@ -547,7 +624,7 @@ def _numbers(values: Sequence[Any]) -> np.ndarray:
         return pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").to_numpy(np.float64)
 
 
-def _merge_intervals(
+def merge_intervals(
     start: np.ndarray, end: np.ndarray, gap: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge intervals whose gap is at most ``gap``.
@@ -563,11 +640,11 @@ def _merge_intervals(
     return start[first], reach[last], first
 
 
-def _union_length(start: np.ndarray, end: np.ndarray) -> float:
+def union_length(start: np.ndarray, end: np.ndarray) -> float:
     """Total time covered by at least one interval."""
     if len(start) == 0:
         return 0.0
-    merged_start, merged_end, _ = _merge_intervals(start, end, 0.0)
+    merged_start, merged_end, _ = merge_intervals(start, end, 0.0)
     return float((merged_end - merged_start).sum())
 
 
@@ -576,24 +653,30 @@ def _bus_traffic(events: pd.DataFrame, at: np.ndarray, default_world_size: int) 
 
     The bytes are NaN when none of the events says how many it moved.
     """
-    lane = events["lane"].iloc[at].astype(str).to_numpy()
+    lane_code = events["lane"].cat.codes.to_numpy()[at]
+    lane_names = events["lane"].cat.categories
+
+    def lane_is(*names: str) -> np.ndarray:
+        return np.isin(lane_code, [lane_names.get_loc(name) for name in names if name in lane_names])
+
     nbytes = events["bytes"].to_numpy()[at]
     world = events["world_size"].to_numpy()[at]
     world = np.where(np.isnan(world), default_world_size, world)
     one_phase = (world - 1) / world
-    is_phase = np.isin(lane, _RING_PHASES)
-    share = np.where(is_phase, one_phase, np.where(lane == "broadcast", 1.0, math.nan))
+    is_phase, is_shared_memory = lane_is(*_RING_PHASES), lane_is("shared_memory")
+    share = np.where(is_phase, one_phase, np.where(lane_is("broadcast"), 1.0, math.nan))
     op = events["op"].iloc[at]
-    shared_memory_share = np.where((op == "broadcast").to_numpy(), 1.0,
-                                   op.map(_RING_PHASES_OF_SHARED_MEMORY_OP).to_numpy(float) * one_phase)
-    share = np.where(lane == "shared_memory", shared_memory_share, share)
+    phases = _per_category(op, lambda name: _RING_PHASES_OF_SHARED_MEMORY_OP.get(name, math.nan),
+                           math.nan, np.float64)
+    shared_memory_share = np.where((op == "broadcast").to_numpy(), 1.0, phases * one_phase)
+    share = np.where(is_shared_memory, shared_memory_share, share)
     carrying = ~np.isnan(nbytes) & ~np.isnan(share)
     start = events["start_us"].to_numpy()[at]
     end = start + events["duration_us"].to_numpy()[at]
-    carrying &= ~_within(start, end, is_phase, carrying & (lane == "shared_memory"))
+    carrying &= ~_within(start, end, is_phase, carrying & is_shared_memory)
     if not carrying.any():
         return math.nan, 0.0
-    return float((nbytes[carrying] * share[carrying]).sum()), _union_length(start[carrying], end[carrying])
+    return float((nbytes[carrying] * share[carrying]).sum()), union_length(start[carrying], end[carrying])
 
 
 def _within(start: np.ndarray, end: np.ndarray, inner: np.ndarray, outer: np.ndarray) -> np.ndarray:
@@ -601,7 +684,7 @@ def _within(start: np.ndarray, end: np.ndarray, inner: np.ndarray, outer: np.nda
     inside = np.zeros(len(start), dtype=bool)
     if not inner.any() or not outer.any():
         return inside
-    outer_start, outer_end, _ = _merge_intervals(start[outer], end[outer], 0.0)
+    outer_start, outer_end, _ = merge_intervals(start[outer], end[outer], 0.0)
     enclosing = np.maximum(np.searchsorted(outer_start, start[inner], side="right") - 1, 0)
     inside[inner] = (outer_start[enclosing] <= start[inner]) & (end[inner] <= outer_end[enclosing])
     return inside
@@ -622,7 +705,7 @@ def _format_number(value: float) -> str:
     return f"{value:.{decimals}f}".rstrip("0").rstrip(".")
 
 
-def _format_percent(value: float) -> str:
+def format_percent(value: float) -> str:
     """Whole percents from 10 on, one decimal below; a share too small to show is "<0.1", not 0."""
     if math.isnan(value):
         return NOT_MEASURED
@@ -644,7 +727,7 @@ def _waiting_headline(summary: pd.DataFrame) -> str:
 
     def waiting(rank: int) -> str:
         wall = summary.loc[rank, "wall_ms"]
-        share = (f" ({_format_percent(100.0 * waited[rank] / wall)}% of its {_format_number(wall)} ms)"
+        share = (f" ({format_percent(100.0 * waited[rank] / wall)}% of its {_format_number(wall)} ms)"
                  if wall > 0 else "")
         return f"{_format_number(waited[rank])} ms{share}"
 
@@ -665,15 +748,58 @@ def _tensor_names(args: dict[str, Any] | None) -> tuple[str, ...]:
     return (args["tensor"],) if args.get("tensor") else ()
 
 
-def _top_tensors(events: pd.DataFrame, at: np.ndarray, top: int) -> str:
-    """"name 12.3 ms, ..." for the tensors whose operations took longest on one rank."""
-    totals: dict[str, float] = {}
-    durations = events["duration_us"].to_numpy()
-    for position, tensors in zip(at, events["tensors"].to_numpy()[at]):
-        for tensor in tensors:
-            totals[tensor] = totals.get(tensor, 0.0) + durations[position]
-    ranked = sorted(totals.items(), key=lambda item: -item[1])[:top]
-    return ", ".join(f"{tensor} {total_us / 1000.0:.3g} ms" for tensor, total_us in ranked)
+def _top_tensors(events: pd.DataFrame, counted: np.ndarray, top: int) -> dict[int, str]:
+    """Per rank, "name 12.3 ms, ..." for the tensors whose ``counted`` events took longest.
+
+    Works through the Arrow list column a chunk at a time, adding each event's duration to
+    each of its tensors with one ``bincount`` per chunk, so ten million events need no
+    Python object per event.
+    """
+    if events.empty:
+        return {}
+    tensors = pa.chunked_array(pa.array(events["tensors"].array))
+    ranks, rank_index = np.unique(events["rank"].to_numpy(), return_inverse=True)
+    weights = np.where(counted, events["duration_us"].to_numpy(), 0.0)
+    dictionary, chunk_codes = _tensor_codes(tensors)
+    totals = np.zeros(len(ranks) * max(len(dictionary), 1))
+    first_event = 0
+    for chunk, codes in zip(tensors.chunks, chunk_codes):
+        offsets = chunk.offsets.to_numpy()
+        events_of_chunk = slice(first_event, first_event + len(chunk))
+        parents = np.repeat(np.arange(len(chunk)), np.diff(offsets))
+        keys = rank_index[events_of_chunk][parents] * len(dictionary) + codes[offsets[0]:offsets[-1]]
+        totals += np.bincount(keys, weights[events_of_chunk][parents], minlength=len(totals))
+        first_event += len(chunk)
+    names = dictionary.to_pylist()
+    described = {}
+    for position, rank in enumerate(ranks):
+        per_tensor = totals[position * len(names):(position + 1) * len(names)]
+        ranked = [i for i in np.argsort(-per_tensor, kind="stable")[:top] if per_tensor[i] > 0]
+        described[int(rank)] = ", ".join(f"{names[i]} {per_tensor[i] / 1000.0:.3g} ms" for i in ranked)
+    return described
+
+
+def _tensor_codes(tensors: pa.ChunkedArray) -> tuple[pa.Array, list[np.ndarray]]:
+    """One dictionary of tensor names and, per chunk, each listed tensor's code in it.
+
+    The columnar file's chunks hold codes already (each chunk's dictionary extends the last
+    one); names read from JSON are encoded here.
+    """
+    values = [chunk.values for chunk in tensors.chunks]
+    if pa.types.is_dictionary(tensors.type.value_type):
+        dictionary = max((v.dictionary for v in values), key=len, default=pa.array([], pa.string()))
+        return dictionary, [v.indices.to_numpy(zero_copy_only=False) for v in values]
+    encoded = pa.chunked_array(values, tensors.type.value_type).dictionary_encode()
+    dictionary = encoded.chunks[0].dictionary if encoded.num_chunks else pa.array([], pa.string())
+    return dictionary, [c.indices.to_numpy(zero_copy_only=False) for c in encoded.chunks]
+
+
+def _per_category(values: pd.Series, function: Any, default: Any, dtype: Any) -> np.ndarray:
+    """``function`` of each value of a categorical column, computed once per category
+    (``default`` where the value is missing), as one array."""
+    categorical = values.array
+    table = np.array([function(c) for c in categorical.categories] + [default], dtype=dtype)
+    return table[categorical.codes]  # the code of a missing value, -1, picks the default
 
 
 def _lane_colors(rows: list[tuple[int, str]]) -> dict[str, str]:
@@ -688,8 +814,8 @@ def _event_bars(
     """One row's events, each a bar from its start to its end, plus ticks for instants."""
     start_ms = (events["start_us"].to_numpy()[at] - origin_us) / 1000.0
     duration_ms = events["duration_us"].to_numpy()[at] / 1000.0
-    names = events["name"].to_numpy()[at]
-    tensors = events["tensors"].to_numpy()[at]
+    names = events["name"].iloc[at].tolist()
+    tensors = events["tensors"].iloc[at].tolist()
     nbytes = events["bytes"].to_numpy()[at]
     details = np.array(
         [[name, _describe_tensors(t), _describe_bytes(b), round(s, 3)]
@@ -724,9 +850,9 @@ def _merged_bars(
     start = events["start_us"].to_numpy()[at] - origin_us
     end = start + events["duration_us"].to_numpy()[at]
     # Exact busy time first (union of the events), then close the gaps nobody could see.
-    union_start, union_end, union_first = _merge_intervals(start, end, 0.0)
+    union_start, union_end, union_first = merge_intervals(start, end, 0.0)
     union_counts = np.diff(np.concatenate((union_first, [len(start)])))
-    group_start, group_end, group_first = _merge_intervals(union_start, union_end, resolution_us)
+    group_start, group_end, group_first = merge_intervals(union_start, union_end, resolution_us)
     busy_us = np.add.reduceat(union_end - union_start, group_first)
     counts = np.add.reduceat(union_counts, group_first)
     # A bar narrower than the resolution would vanish at full zoom; draw it one unit wide.

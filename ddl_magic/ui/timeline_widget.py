@@ -1,0 +1,89 @@
+"""The timeline as a live notebook widget: zooming redraws the window at full detail.
+
+A static figure of a big trace shows merged busy intervals (``build_figure``); here the
+figure is a plotly ``FigureWidget`` that listens to its own x axis. Zoom into a window and the
+widget redraws that window from the trace in memory, every event once few enough are in it;
+double-click (autorange) and the whole trace comes back. Nothing is reloaded from the file.
+
+Example::
+
+    timeline = ZoomableTimeline(load_trace("run.timeline.json"))
+    display(timeline.widget)
+    timeline.show_window(1200.0, 1250.0)     # what a zoom to 1200-1250 ms does
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import plotly.graph_objects as go
+
+from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, build_figure
+
+
+class ZoomableTimeline:
+    """A ``FigureWidget`` of ``trace`` that redraws the x range shown, at full detail.
+
+    ``on_rank_click(rank)``, when given, is called with the rank of a bar clicked on.
+    """
+
+    def __init__(self, trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
+                 on_rank_click: Callable[[int], None] | None = None) -> None:
+        self.trace = trace
+        self.max_shapes = max_shapes
+        self.on_rank_click = on_rank_click
+        self.window_ms: tuple[float, float] | None = None
+        self.widget = go.FigureWidget(build_figure(trace, max_shapes))
+        self._listen_to_clicks()
+        self.widget.layout.on_change(self._on_x_axis_change, "xaxis.range", "xaxis.autorange")
+
+    def show_window(self, start_ms: float, end_ms: float) -> None:
+        """Draw only the events in ``[start_ms, end_ms]``, in full detail if few enough."""
+        self.window_ms = (start_ms, end_ms)
+        self._draw(build_figure(self.trace.between(start_ms, end_ms), self.max_shapes))
+
+    def show_all(self) -> None:
+        """Draw the whole trace again (what double-clicking the figure does)."""
+        self.window_ms = None
+        self._draw(build_figure(self.trace, self.max_shapes))
+
+    def replace_trace(self, trace: TraceData) -> None:
+        """Show ``trace`` instead (a live run's timeline grew), keeping the window shown."""
+        self.trace = trace
+        if self.window_ms is None:
+            self.show_all()
+        else:
+            self.show_window(*self.window_ms)
+
+    def _on_x_axis_change(self, layout: go.Layout, x_range: tuple[float, float] | None,
+                          autorange: bool | None) -> None:
+        if autorange or x_range is None:
+            if self.window_ms is not None:
+                self.show_all()
+        elif tuple(x_range) != self.window_ms:
+            self.show_window(float(x_range[0]), float(x_range[1]))
+
+    def _draw(self, figure: go.Figure) -> None:
+        """Swap the widget's bars for ``figure``'s; the axes, and so the zoom, stay as they are."""
+        with self.widget.batch_update():
+            self.widget.layout.title = figure.layout.title
+            self.widget.layout.yaxis.tickvals = figure.layout.yaxis.tickvals
+            self.widget.layout.yaxis.ticktext = figure.layout.yaxis.ticktext
+            self.widget.layout.shapes = figure.layout.shapes
+            self.widget.layout.height = figure.layout.height
+        self.widget.data = ()
+        self.widget.add_traces(list(figure.data))
+        self._listen_to_clicks()
+
+    def _listen_to_clicks(self) -> None:
+        if self.on_rank_click is None:
+            return
+        for bars in self.widget.data:
+            bars.on_click(self._on_click)
+
+    def _on_click(self, bars: go.Bar, points, state) -> None:
+        rows = self.trace.rows
+        for y in points.ys:
+            if 0 <= int(y) < len(rows):
+                self.on_rank_click(rows[int(y)][0])
+                return
