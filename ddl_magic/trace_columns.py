@@ -13,7 +13,7 @@ batch the ranks sent::
     bytes        float64                     null where the event's args do not say
     world_size   int32                       args["size"]
     op           dictionary<int16, string>   args["op"] (the collective a shared_memory event ran)
-    tensors      list<dictionary<int32, string>>   args["tensors"]
+    tensors      list<dictionary<int32, string>>   args["tensors"], or [args["tensor"]]
     other_args   string                      the remaining args, as the Chrome trace's JSON
                                              holds them; null when there are none
 
@@ -216,6 +216,9 @@ def _split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             columns["size"] = int(value)
         elif key == "op" and isinstance(value, str):
             columns["op"] = value
+        elif key == "tensor" and isinstance(value, str) and value and "tensors" not in args:
+            columns["tensors"] = [value]  # what the viewer reads; kept among the rest too,
+            rest[key] = value             # which says where the name came from
         elif key == "tensors" and isinstance(value, list) and value and all(isinstance(t, str) for t in value):
             columns["tensors"] = value
         else:

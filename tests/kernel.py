@@ -30,8 +30,9 @@ class Kernel:
         self.manager, self.client = start_new_kernel(
             kernel_name="python3", env={**os.environ, **(env or {})}, cwd=cwd)
 
-    def run(self, code: str, timeout: float = 120, on_output=None) -> CellOutput:
-        """Execute `code`; `on_output(text)` is called with each stream chunk as it arrives."""
+    def run(self, code: str, timeout: float = 120, on_output=None, on_message=None) -> CellOutput:
+        """Execute `code`; `on_output(text)` is called with each stream chunk as it arrives,
+        `on_message(message)` with every message the cell sends (widget updates included)."""
         msg_id = self.client.execute(code)
         output = CellOutput()
         deadline = time.monotonic() + timeout
@@ -45,6 +46,8 @@ class Kernel:
                 continue
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
+            if on_message is not None:
+                on_message(message)
             kind, content = message["msg_type"], message["content"]
             if kind == "stream":
                 setattr(output, content["name"], getattr(output, content["name"]) + content["text"])

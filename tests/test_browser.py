@@ -2,10 +2,14 @@
 
 JupyterLab serves on loopback with a token; Chromium opens the notebook, and the test drives
 it through the Chrome DevTools Protocol (a websocket, `websocket-client`): "Run All Cells"
-as the Run menu does it, then checks the page's DOM for the rendered run view (its status
-table, its tabs, a tab's lines once clicked) and the plotly timeline, and takes screenshots
-of both (run_view.png, run_view_rank_1.png, timeline.png, page.png in the test's tmp
-folder, for a look when something seems off; a wait that times out leaves timed_out.png).
+as the Run menu does it, then checks the page's DOM for the rendered run view (its live
+timeline lanes while the ranks still train, its status table, its tabs, a tab's lines once
+clicked) and the plotly timeline viewer after the run, and takes screenshots (live_lanes.png,
+run_view.png, run_view_rank_1.png, timeline.png, page.png in the test's tmp folder, for a
+look when something seems off; a wait that times out leaves timed_out.png).
+
+The ranks train until the test has seen the live lanes: it then creates a file, and rank 0
+tells the others to stop (a broadcast), so the screenshot is taken mid-run on any machine.
 
 Needs Chromium: ``apt-get install -y chromium``. Without it the test is skipped, and fails
 under CI (``CI=true``), where it must run.
@@ -33,22 +37,33 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-back
                   "--disable-component-update", "--disable-sync", "--no-first-run",
                   "--disable-dev-shm-usage", "--hide-scrollbars")
 WINDOW = (1400, 1600)
-STEPS = 5
+STEPS = 5  # at least; then the ranks go on until the test has seen the live lanes
 
-NOTEBOOK_CELLS = (
-    "%load_ext ddl_magic",
-    (
-        "%%horovod -np 2 --timeline\n"
-        "import torch\n"
-        "import ddl_magic.torch as hvd\n"
-        "hvd.init()\n"
-        f"for step in range({STEPS}):\n"
-        "    with hvd.timeline_span('step', step=step):\n"
-        "        hvd.allreduce(torch.ones(100_000), name='grad')\n"
-        "    print(f'step {step} on rank {hvd.rank()}')\n"
-        "hvd.rank()"
-    ),
-)
+
+def notebook_cells(stop_file: Path) -> tuple[str, ...]:
+    return (
+        "%load_ext ddl_magic",
+        (
+            "%%horovod -np 2 --timeline\n"
+            "import os, time, torch\n"
+            "import ddl_magic.torch as hvd\n"
+            "hvd.init()\n"
+            "deadline, step = time.monotonic() + 120, 0\n"
+            "while True:\n"
+            "    with hvd.timeline_span('step', step=step):\n"
+            "        hvd.allreduce(torch.ones(100_000), name='grad')\n"
+            f"    if step < {STEPS}:\n"
+            "        print(f'step {step} on rank {hvd.rank()}')\n"
+            "    step += 1\n"
+            f"    go_on = step < {STEPS} or not os.path.exists({str(stop_file)!r})\n"
+            "    if not hvd.broadcast(torch.tensor([float(go_on)]), 0, name='go on').item():\n"
+            "        break\n"
+            "    if time.monotonic() > deadline:\n"
+            "        raise TimeoutError('the test never saw the live lanes')\n"
+            "hvd.rank()"
+        ),
+    )
+
 
 # JavaScript run in the page. The run view is the widget box whose table has a "status" column.
 RUN_VIEW = """(() => [...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
@@ -238,7 +253,8 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
     base, token, notebooks = jupyterlab
     page = browser
     notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(source) for source in NOTEBOOK_CELLS]
+    stop_file = tmp_path / "lanes_seen"
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in notebook_cells(stop_file)]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, notebooks / "run.ipynb")
 
@@ -250,7 +266,19 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
                   && panel.sessionContext.session.kernel.connectionStatus === 'connected'
                   && panel.content.widgets.length === 2); })()""",
                   timeout=45, what="JupyterLab to open the notebook with a connected kernel")
-    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # Not awaited: the command resolves when the cells are done, and they wait for this test.
+    page.evaluate("void window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+    # While the ranks train: the run view's live lanes, a row per (rank, lane), with bars.
+    live = page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
+        const plot = view && view.querySelector('.js-plotly-plot');
+        return !!plot && plot.querySelectorAll('.bars path').length > 0
+            && view.textContent.includes('running') && view.textContent.includes('timeline so far')
+            && {{rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent)}}; }})()""",
+                         timeout=60, what="the run view to draw live lanes while the run trains")
+    assert any(row.startswith("rank 0 (") and "shared_memory" in row for row in live["rows"]), live
+    page.screenshot(tmp_path / "live_lanes.png", element=RUN_VIEW)
+    stop_file.touch()
 
     # The run view: its table, both ranks done, a tab per rank.
     page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
@@ -258,7 +286,7 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
                   timeout=45, what="the run view to show the finished run")
     view = page.evaluate(f"""(() => {{ const view = {RUN_VIEW};
         return {{
-            rows: [...view.querySelectorAll('tr')].slice(1).map(
+            rows: [...view.querySelector('table').querySelectorAll('tr')].slice(1).map(
                 tr => [...tr.querySelectorAll('td')].map(td => td.innerText)),
             tabs: [...view.querySelectorAll('.lm-TabBar-tab')].map(tab => tab.innerText.trim()),
             visible: view.querySelector('.widget-tab-contents .widget-html:not(.lm-mod-hidden)').innerText,
@@ -282,19 +310,21 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
     assert f"step {STEPS - 1} on rank 1" in rank_1 and "rank 0" not in rank_1
     page.screenshot(tmp_path / "run_view_rank_1.png", element=RUN_VIEW)
 
-    # The timeline viewer: a plotly figure with a row per (rank, lane) and bars in it.
-    page.wait_for("document.querySelectorAll('.js-plotly-plot .bars path').length > 0",
+    # The timeline viewer under the run view: a plotly figure with a row per (rank, lane).
+    viewer = "[...document.querySelectorAll('.js-plotly-plot')].filter(p => !" + RUN_VIEW + ".contains(p))[0]"
+    page.wait_for(f"(() => {{ const plot = {viewer}; return !!plot && plot.querySelectorAll('.bars path').length > 0; }})()",
                   timeout=30, what="the plotly timeline to draw its bars")
-    figure = page.evaluate("""(() => { const plot = document.querySelector('.js-plotly-plot');
-        return { title: plot.querySelector('.gtitle').textContent,
+    figure = page.evaluate(f"""(() => {{ const plot = {viewer};
+        return {{ title: plot.querySelector('.gtitle').textContent,
                  rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent),
-                 bars: plot.querySelectorAll('.bars path').length }; })()""")
+                 bars: plot.querySelectorAll('.bars path').length }}; }})()""")
     assert "from 2 rank(s)" in figure["title"], figure
     for rank in range(2):
         assert any(row.startswith(f"rank {rank} (") and row.endswith("· user") for row in figure["rows"]), figure
         assert any(row.startswith(f"rank {rank} (") and "shared_memory" in row for row in figure["rows"]), figure
     assert figure["bars"] >= 2 * STEPS
-    page.screenshot(tmp_path / "timeline.png", element="document.querySelector('.js-plotly-plot')")
+    page.screenshot(tmp_path / "timeline.png", element=viewer)
     page.screenshot(tmp_path / "page.png")
     assert (tmp_path / "run_view.png").stat().st_size > 5_000
     assert (tmp_path / "timeline.png").stat().st_size > 5_000
+    assert (tmp_path / "live_lanes.png").stat().st_size > 5_000

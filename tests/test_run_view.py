@@ -191,12 +191,73 @@ def test_finish_rejects_unknown_status_and_ignores_a_second_call():
     assert view.state()["status"] == "done"
 
 
-def test_timeline_batches_are_ignored_and_unknown_ranks_rejected():
+def test_unknown_ranks_are_rejected():
     view = make_view()
-    view.handle(TimelineBatch(rank=0, events=[("allreduce", "ring", 0, 5, None)]))
-    assert view.state()["all_ranks"]["lines"] == []
     with pytest.raises(ValueError, match="rank 2"):
         view.handle(out(2, "who am I"))
+    with pytest.raises(ValueError, match="rank 2"):
+        view.handle(TimelineBatch(rank=2, events=[("allgather", "ring", 0.0, 5.0, None)]))
+
+
+def step_events(step, wait_us):
+    """One training step's timeline on one rank: communicate 300 µs, then wait."""
+    start = step * 1000.0
+    return [("scatter_reduce", f"grads {step}", start, 300.0, {"bytes": 4096, "size": 2}),
+            ("wait", f"handle {step}", start + 300.0, wait_us, None)]
+
+
+def test_a_timeline_run_shows_lanes_that_grow_with_each_batch_and_a_running_summary():
+    view = make_view(timeline_interval_s=0.0)
+    for rank, host in enumerate(("node-a", "node-b")):
+        view.handle(RankStarted(rank=rank, host=host, pid=100 + rank))
+    view.refresh()
+    assert view.state()["timeline"] is None  # a run without a timeline shows no lanes
+
+    view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
+    view.handle(TimelineBatch(rank=1, events=step_events(0, 600.0)))
+    view.refresh()
+    first = view.state()["timeline"]
+    assert first["rows"] == [(0, "wait"), (0, "scatter_reduce"), (1, "wait"), (1, "scatter_reduce")]
+    assert first["events_drawn"] == 4
+    # Rank 1 waited 600 of its 900 µs: the slow partner shows while the run trains.
+    assert first["summary"][1]["wait_ms"] == pytest.approx(0.6)
+    assert first["summary"][1]["wall_ms"] == pytest.approx(0.9)
+
+    view.handle(TimelineBatch(rank=0, events=step_events(1, 100.0)))
+    view.refresh()
+    assert view.state()["timeline"]["events_drawn"] == 6
+    lanes = view.widget.children[-2]
+    assert "rank 1 (node-b) · wait" in lanes.layout.yaxis.ticktext
+    summary_html = view.widget.children[-3].value
+    assert "wait %" in summary_html and "<td>67</td>" in summary_html  # 600 of 900 µs
+
+
+def test_clicking_a_ranks_lane_opens_its_log_tab():
+    from plotly.callbacks import InputDeviceState, Points
+
+    view = make_view(timeline_interval_s=0.0)
+    view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
+    view.handle(TimelineBatch(rank=1, events=step_events(0, 100.0)))
+    view.refresh()
+    lanes = view.widget.children[-2]
+    rows = view.state()["timeline"]["rows"]
+    clicked = next(bars for bars in lanes.data if set(bars.y) == {rows.index((1, "wait"))})
+    clicked._dispatch_on_click(
+        Points(point_inds=[0], xs=[0.3], ys=[rows.index((1, "wait"))], trace_name=clicked.name,
+               trace_index=0),
+        InputDeviceState(ctrl=False, alt=False, shift=False, meta=False, button=0, buttons=1))
+    assert view.state()["selected_tab"] == 2  # "all ranks", "rank 0", "rank 1"
+
+
+def test_the_lanes_are_drawn_once_more_when_the_run_ends():
+    view = make_view(timeline_interval_s=3600.0)
+    view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
+    view.refresh()  # the first batch is drawn at once
+    view.handle(TimelineBatch(rank=0, events=step_events(1, 100.0)))
+    view.refresh()  # within the interval: not redrawn
+    assert view.state()["timeline"]["events_drawn"] == 2
+    view.finish("done")
+    assert view.state()["timeline"]["events_drawn"] == 4
 
 
 def test_sixteen_ranks_and_many_lines_stay_bounded():

@@ -7,8 +7,9 @@ import io
 
 import pytest
 
-from ddl_magic.events import RankFailed, RankFinished, RankOutput, RankStarted
+from ddl_magic.events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView, TextDisplay, make_display
+from ddl_magic.ui.text_display import TIMELINE_SUMMARY_INTERVAL_S
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "<cell>", line 3\nRuntimeError: loss is NaN\n'
 
@@ -169,3 +170,34 @@ def test_make_display_gives_the_run_view_in_a_kernel_unless_text_is_asked_for(mo
     monkeypatch.setenv("DDL_MAGIC_DISPLAY", "fancy")
     with pytest.raises(ValueError, match="DDL_MAGIC_DISPLAY='fancy'"):
         make_display(2)
+
+
+def test_a_timeline_run_prints_a_running_summary_every_few_seconds_and_at_the_end(streams, clock):
+    display = make_text_display(streams, clock)
+    step = [("scatter_reduce", "grads", 0.0, 300.0, None), ("wait", "handle", 300.0, 700.0, None)]
+    display.handle(TimelineBatch(rank=0, events=step))
+    display.refresh()
+    assert "[timeline]" not in streams[0].getvalue()  # not before the interval has passed
+
+    clock.now += TIMELINE_SUMMARY_INTERVAL_S
+    display.refresh()
+    assert streams[0].getvalue().splitlines() == [
+        f"[timeline] {TIMELINE_SUMMARY_INTERVAL_S:.1f} s · % of time waiting/communicating/computing: "
+        "rank 0 70/30/–"]
+
+    clock.now += TIMELINE_SUMMARY_INTERVAL_S
+    display.refresh()  # nothing new arrived: nothing printed
+    display.handle(TimelineBatch(rank=1, events=[("pack", "fc1", 0.0, 50.0, None)]))
+    display.finish("done")
+    lines = streams[0].getvalue().splitlines()
+    assert len(lines) == 3 and lines[1].endswith("rank 0 70/30/– · rank 1 –/–/100")
+    assert lines[2].startswith("==== done")
+
+
+def test_a_quiet_run_prints_no_timeline_summary(streams, clock):
+    display = make_text_display(streams, clock, quiet=True)
+    display.handle(TimelineBatch(rank=0, events=[("pack", "fc1", 0.0, 50.0, None)]))
+    clock.now += 60
+    display.refresh()
+    display.finish("done")
+    assert "[timeline]" not in streams[0].getvalue()

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from kernel import Kernel
+from trace_files import chrome_events, columnar_events
 
 # How far apart the ranks' clocks may read the same moment (the end of a barrier). The
 # offsets are measured to well under a millisecond; scheduling on a busy CI machine adds
@@ -196,6 +197,7 @@ def test_the_trace_stays_valid_json_when_a_rank_is_killed(scripts):
     events_after, metadata = load_events(path)
     assert len(events_after) >= len(events)
     assert sorted(process_names(metadata)) == [0, 1]
+    assert columnar_events(path) == chrome_events(path)
 
 
 def test_horovod_timeline_variable_gives_ddlrun_its_trace(scripts):
@@ -227,7 +229,8 @@ def test_timeline_option_records_into_the_log_folder_and_shows_the_viewer(kernel
                      "with hvd.timeline_span('step'):\n"
                      "    hvd.allreduce(torch.ones(1000), name='grad')")
     assert out.error is None, out.error
-    assert any("application/vnd.plotly.v1+json" in bundle for bundle in out.displays), out.displays
+    widgets = [bundle for bundle in out.displays if "application/vnd.jupyter.widget-view+json" in bundle]
+    assert any("FigureWidget" in bundle.get("text/plain", "") for bundle in widgets), out.displays
     where = kernel.run("import ddl_magic\nr = ddl_magic.last_run()\nr.timeline_path, r.log_dir")
     path, log_dir = eval(where.result)
     assert os.path.dirname(path) == log_dir
@@ -255,3 +258,56 @@ def test_the_trace_stays_valid_json_when_the_cell_is_interrupted(kernel, tmp_pat
     events, metadata = load_events(path)
     assert sorted(process_names(metadata)) == [0, 1]
     assert {e["pid"] for e in events} == {0, 1}
+    assert columnar_events(path) == chrome_events(path)
+
+
+# ---- the live lanes, as a notebook frontend receives them -------------------------------
+
+def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
+    """The ranks train until the test has seen the lanes redrawn twice with new batches:
+    what a user's browser receives, while the cell is still running."""
+    stop_file = tmp_path / "seen"
+    figure_ids: set[str] = set()
+    redraws: list[dict] = []
+    summaries: list[str] = []
+
+    def on_message(message: dict) -> None:
+        content = message["content"]
+        state = content.get("data", {}).get("state", {})
+        if message["msg_type"] == "comm_open" and "_widget_data" in state:
+            figure_ids.add(content["comm_id"])  # the lanes: a plotly FigureWidget
+        elif content.get("comm_id") in figure_ids and state.get("_py2js_addTraces"):
+            redraws.append(state["_py2js_addTraces"])
+        elif "timeline so far" in str(state.get("value", "")):
+            summaries.append(state["value"])
+        if len(redraws) >= 2 and not stop_file.exists():
+            stop_file.touch()
+
+    kernel = Kernel(cwd=str(tmp_path))
+    try:
+        assert kernel.run("%load_ext ddl_magic").error is None
+        out = kernel.run(
+            "%%horovod -np 2 --timeline\n"
+            "import os, time, torch, ddl_magic.torch as hvd\n"
+            "hvd.init()\n"
+            "deadline = time.monotonic() + 90\n"
+            "while time.monotonic() < deadline:\n"
+            "    hvd.allreduce(torch.ones(10_000), name='grad')\n"
+            f"    seen = float(os.path.exists({str(stop_file)!r}))\n"
+            "    if hvd.broadcast(torch.tensor([seen]), 0, name='stop').item():\n"
+            "        break\n"
+            "else:\n"
+            "    raise TimeoutError('the test never saw the lanes redrawn')\n",
+            timeout=150, on_message=on_message)
+    finally:
+        kernel.close()
+    assert out.error is None, out.error
+    assert len(figure_ids) == 2  # the live lanes, then the full viewer once the run ended
+    assert len(redraws) >= 2
+    assert all(redraw.get("trace_data") for redraw in redraws)
+    recorded_s = [{int(rank): float(seconds) for rank, seconds in
+                   re.findall(r"<tr><td>(\d+)</td>.*?<td>([\d.]+)</td></tr>", summary)}
+                  for summary in summaries]
+    assert sorted(recorded_s[-1]) == [0, 1]  # a row per rank
+    rank = next(iter(recorded_s[0]))
+    assert recorded_s[-1][rank] > recorded_s[0][rank]  # the running summary grew with the run

@@ -26,6 +26,7 @@ def odd_batches() -> dict[int, list[tuple]]:
             ("wait", "handle 7", 30.0, 0.0, None),
             ("queue", "bad time", math.inf, 1.0, None),  # dropped by both files
             ("unpack", "empty list", 31.0, 1.0, {"tensors": []}),
+            ("user", "one tensor", 31.5, 1.0, {"tensor": "fc2.weight"}),
             ("broadcast", "np scalar", 32.0, 1.0, {"bytes": np.int64(12), "dtype": np.dtype("float32")}),
         ],
         1: [("allgather", "grads", 11.0, 3.0, {"bytes": 1e3, "tensors": ["g"], "size": 2.0})],
@@ -47,7 +48,7 @@ def test_the_columns_hold_exactly_the_events_of_the_chrome_trace(tmp_path: Path)
     assert columnar_path(path).exists()
     events = columnar_events(path)
     assert events == chrome_events(path)
-    assert len(events) == 9  # the event with an infinite start is in neither
+    assert len(events) == 10  # the event with an infinite start is in neither
     _, rank_names, truncated = read_columnar_trace(columnar_path(path))
     assert rank_names == rank_names_of_chrome_trace(path) == {0: "rank 0 (node-0)", 1: "rank 1 (node-1)"}
     assert not truncated

@@ -33,7 +33,7 @@ def columnar_events(path: Path) -> list[Event]:
             args["size"] = row["world_size"]
         if row["op"] is not None:
             args["op"] = row["op"]
-        if row["tensors"]:
+        if row["tensors"] and row["tensors"] != [args.get("tensor")]:  # not one named as "tensor"
             args["tensors"] = row["tensors"]
         events.append((row["rank"], row["lane"], row["name"], row["start_us"], row["duration_us"],
                        _canonical(args)))

@@ -118,7 +118,8 @@ class RunView:
         view.finish("done")
     """
 
-    def __init__(self, np: int, title: str, log_dir: str | None, max_lines: int = 500) -> None:
+    def __init__(self, np: int, title: str, log_dir: str | None, max_lines: int = 500,
+                 timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S) -> None:
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
         if max_lines < 1:
@@ -127,6 +128,7 @@ class RunView:
         self.title = title
         self.log_dir = log_dir
         self.max_lines = max_lines
+        self.timeline_interval_s = timeline_interval_s
         self._ranks = [RankState(rank, BoundedLog(max_lines)) for rank in range(np)]
         self._all = BoundedLog(max_lines)
         self._all_changed = True
@@ -197,7 +199,7 @@ class RunView:
         if self._all_changed:
             self._all_tab.value = self._render_log(self._all, self._log_note(self._all, None), labelled=True)
             self._all_changed = False
-        if self._live is not None and now - self._live_drawn[1] >= LIVE_TIMELINE_INTERVAL_S:
+        if self._live is not None and now - self._live_drawn[1] >= self.timeline_interval_s:
             self._draw_timeline(now)
 
     def show_rank(self, rank: int) -> None:

@@ -291,14 +291,17 @@ def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.Figure:
+def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
+                 how_to_see_more: str = "trace.between(start_ms, end_ms) gives a window in full detail",
+                 ) -> go.Figure:
     """A zoomable timeline: one row per (rank, lane), one bar per event.
 
     Each row is one trace, so the figure stays light however many events it has. With more
     than ``max_shapes`` events it draws, per row, the busy intervals merged at the
     resolution the full trace is seen at (gaps too short to see are closed; a bar's
     opacity shows how busy it was); ``trace.between(start_ms, end_ms)`` gives the events of
-    a window to draw in full detail.
+    a window to draw in full detail, as the title says (``how_to_see_more``: a zoomable
+    widget says "zoom in").
 
     Example:
         >>> figure = build_figure(load_trace("run.timeline.json"))   # doctest: +SKIP
@@ -332,9 +335,7 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES) -> go.F
             figure.add_trace(bar)
 
     shown = "every event" if detailed else (
-        f"busy intervals merged at {resolution_us / 1000.0:.3g} ms; "
-        "trace.between(start_ms, end_ms) gives a window in full detail"
-    )
+        f"busy intervals merged at {resolution_us / 1000.0:.3g} ms; {how_to_see_more}")
     figure.update_layout(
         title=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
               + (" (file was cut short)" if trace.truncated else ""),
@@ -361,9 +362,10 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
     """Display a run's timeline and its per-rank summary in the notebook.
 
     Takes a trace file's path, or anything with a ``timeline_path`` attribute (the record
-    ``ddl_magic.last_run()`` returns). Under the figure: one line naming the ranks that
-    waited longest and shortest, then ``format_summary``'s table. Outside IPython it prints
-    those two only. For the figure itself, use ``build_figure(load_trace(path))``.
+    ``ddl_magic.last_run()`` returns). The figure is a ``ZoomableTimeline``: zooming into a
+    window redraws it at full detail. Under it: one line naming the ranks that waited
+    longest and shortest, then ``format_summary``'s table. Outside IPython it prints those
+    two only. For a static figure, use ``build_figure(load_trace(path))``.
 
     Example:
         >>> show_timeline("run.timeline.json")              # doctest: +SKIP
@@ -376,7 +378,6 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
             "HorovodRunner(np, timeline=PATH) or ddlrun --timeline PATH to record one"
         )
     trace = load_trace(path)
-    figure = build_figure(trace, max_shapes=max_shapes)
     summary = summarize(trace)
     from IPython import get_ipython
     from IPython.display import display
@@ -389,7 +390,9 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
         with pd.option_context("display.max_colwidth", None):  # the whole list of slowest tensors
             table_html = table.to_html(notebook=True)
     if get_ipython() is not None:
-        display(figure)
+        from .timeline_widget import ZoomableTimeline
+
+        display(ZoomableTimeline(trace, max_shapes).widget)
         display({"text/plain": text, "text/html": f"<p>{html.escape(headline)}</p>{table_html}"}, raw=True)
     else:
         print(text)
@@ -775,7 +778,8 @@ def _top_tensors(events: pd.DataFrame, counted: np.ndarray, top: int) -> dict[in
     for position, rank in enumerate(ranks):
         per_tensor = totals[position * len(names):(position + 1) * len(names)]
         ranked = [i for i in np.argsort(-per_tensor, kind="stable")[:top] if per_tensor[i] > 0]
-        described[int(rank)] = ", ".join(f"{names[i]} {per_tensor[i] / 1000.0:.3g} ms" for i in ranked)
+        described[int(rank)] = ", ".join(f"{names[i]} {_format_number(per_tensor[i] / 1000.0)} ms"
+                                         for i in ranked)
     return described
 
 

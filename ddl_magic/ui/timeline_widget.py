@@ -20,6 +20,8 @@ import plotly.graph_objects as go
 
 from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, build_figure
 
+ZOOM_HINT = "zoom in to see every event"
+
 
 class ZoomableTimeline:
     """A ``FigureWidget`` of ``trace`` that redraws the x range shown, at full detail.
@@ -33,19 +35,19 @@ class ZoomableTimeline:
         self.max_shapes = max_shapes
         self.on_rank_click = on_rank_click
         self.window_ms: tuple[float, float] | None = None
-        self.widget = go.FigureWidget(build_figure(trace, max_shapes))
+        self.widget = go.FigureWidget(self._figure(trace))
         self._listen_to_clicks()
         self.widget.layout.on_change(self._on_x_axis_change, "xaxis.range", "xaxis.autorange")
 
     def show_window(self, start_ms: float, end_ms: float) -> None:
         """Draw only the events in ``[start_ms, end_ms]``, in full detail if few enough."""
         self.window_ms = (start_ms, end_ms)
-        self._draw(build_figure(self.trace.between(start_ms, end_ms), self.max_shapes))
+        self._draw(self._figure(self.trace.between(start_ms, end_ms)))
 
     def show_all(self) -> None:
         """Draw the whole trace again (what double-clicking the figure does)."""
         self.window_ms = None
-        self._draw(build_figure(self.trace, self.max_shapes))
+        self._draw(self._figure(self.trace))
 
     def replace_trace(self, trace: TraceData) -> None:
         """Show ``trace`` instead (a live run's timeline grew), keeping the window shown."""
@@ -54,6 +56,9 @@ class ZoomableTimeline:
             self.show_all()
         else:
             self.show_window(*self.window_ms)
+
+    def _figure(self, trace: TraceData) -> go.Figure:
+        return build_figure(trace, self.max_shapes, how_to_see_more=ZOOM_HINT)
 
     def _on_x_axis_change(self, layout: go.Layout, x_range: tuple[float, float] | None,
                           autorange: bool | None) -> None:
