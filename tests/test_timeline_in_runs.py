@@ -206,6 +206,8 @@ def test_horovod_timeline_variable_gives_ddlrun_its_trace(scripts):
                             cwd=scripts, env={**os.environ, "HOROVOD_TIMELINE": str(path)},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+    # Where each rank's time went, printed as the run ends (and every few seconds of a long one).
+    assert re.search(r"^\[timeline\] .* rank 0 .* · rank 1 ", result.stdout, re.MULTILINE), result.stdout
     events, metadata = load_events(path)
     assert sorted(process_names(metadata)) == [0, 1]
     for rank in range(2):

@@ -56,6 +56,7 @@ class LiveTimeline:
         self._starts: list[np.ndarray] = []
         self._ends: list[np.ndarray] = []
         self._kept = 0
+        self._rows: set[tuple[int, int]] = set()  # (rank, lane code) seen
         self._time_by_kind: dict[int, dict[str, float]] = {}
         self._span_by_rank: dict[int, tuple[float, float]] = {}
         self.version = 0
@@ -79,6 +80,7 @@ class LiveTimeline:
         self._starts.append(start)
         self._ends.append(end)
         self._kept += len(codes)
+        self._rows.update((rank, int(code)) for code in np.unique(codes))
         self._count_time(rank, codes, start, end)
         self.version += 1
         if self._kept >= COMPACT_AT:
@@ -108,10 +110,7 @@ class LiveTimeline:
     def trace(self) -> TraceData:
         """The events so far, as ``build_figure`` draws them: times and lanes, no names (the
         trace file has those)."""
-        rank = _concatenate(self._ranks, np.int64)
-        lane_code = _concatenate(self._lane_codes, np.int32)
-        start = _concatenate(self._starts, np.float64)
-        end = _concatenate(self._ends, np.float64)
+        rank, lane_code, start, end = self._concatenated()
         lane_names = list(self._lanes)
         count = len(rank)
         events = events_table(
@@ -121,10 +120,18 @@ class LiveTimeline:
             op=pd.Categorical.from_codes(np.full(count, -1), categories=[]),
             tensors=pa.ListArray.from_arrays(pa.array(np.zeros(count + 1, np.int32)), pa.array([], pa.string())),
         )
-        rows = sorted({(int(r), lane_names[c]) for r, c in np.unique(np.stack([rank, lane_code], axis=1), axis=0)},
+        rows = sorted(((rank, lane_names[code]) for rank, code in self._rows),
                       key=lambda row: (row[0], _lane_position(row[1])))
         names = {r: self.rank_names.get(r, f"rank {r}") for r in sorted(self._span_by_rank)}
         return TraceData(events, rows, names, "ddl_magic")
+
+    def _concatenated(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every kept interval's rank, lane code, start and end; kept as one chunk from now on."""
+        self._ranks = [_concatenate(self._ranks, np.int64)]
+        self._lane_codes = [_concatenate(self._lane_codes, np.int32)]
+        self._starts = [_concatenate(self._starts, np.float64)]
+        self._ends = [_concatenate(self._ends, np.float64)]
+        return self._ranks[0], self._lane_codes[0], self._starts[0], self._ends[0]
 
     def _count_time(self, rank: int, codes: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
         kinds = np.array([lane_category(lane) for lane in self._lanes])[codes]
@@ -139,10 +146,7 @@ class LiveTimeline:
     def _compact(self) -> None:
         """Merge each row's intervals, closing gaps too short to see at the figure's resolution,
         so that a long run keeps at most about half of ``COMPACT_AT`` intervals."""
-        rank = _concatenate(self._ranks, np.int64)
-        lane_code = _concatenate(self._lane_codes, np.int32)
-        start = _concatenate(self._starts, np.float64)
-        end = _concatenate(self._ends, np.float64)
+        rank, lane_code, start, end = self._concatenated()
         row_of = rank * max(len(self._lanes), 1) + lane_code
         rows = np.unique(row_of)
         # Intervals more than ``gap`` apart number at most span / gap per row: half the budget.

@@ -43,6 +43,9 @@ FAILED_ROW_BACKGROUND = "#ffebee"
 LAST_LINE_CHARS = 160
 LOG_HEIGHT = "360px"
 LIVE_TIMELINE_INTERVAL_S = 1.0
+LIVE_TIMELINE_SHARE = 0.02
+"""The most of the driver's time that redrawing the live lanes may take: on a busy machine
+(the driver shares its cores with the ranks) a slow redraw waits longer for the next."""
 
 
 class LogLine:
@@ -119,7 +122,8 @@ class RunView:
     """
 
     def __init__(self, np: int, title: str, log_dir: str | None, max_lines: int = 500,
-                 timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S) -> None:
+                 timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
+                 timeline_share: float = LIVE_TIMELINE_SHARE) -> None:
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
         if max_lines < 1:
@@ -129,6 +133,7 @@ class RunView:
         self.log_dir = log_dir
         self.max_lines = max_lines
         self.timeline_interval_s = timeline_interval_s
+        self.timeline_share = timeline_share
         self._ranks = [RankState(rank, BoundedLog(max_lines)) for rank in range(np)]
         self._all = BoundedLog(max_lines)
         self._all_changed = True
@@ -148,7 +153,7 @@ class RunView:
         self._live = None
         self._live_summary = widgets.HTML()
         self._live_lanes = None
-        self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and when
+        self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and the next draw's time
         self.refresh()
 
     @property
@@ -199,7 +204,7 @@ class RunView:
         if self._all_changed:
             self._all_tab.value = self._render_log(self._all, self._log_note(self._all, None), labelled=True)
             self._all_changed = False
-        if self._live is not None and now - self._live_drawn[1] >= self.timeline_interval_s:
+        if self._live is not None and now >= self._live_drawn[1]:
             self._draw_timeline(now)
 
     def show_rank(self, rank: int) -> None:
@@ -273,10 +278,20 @@ class RunView:
         self._live.add(batch.rank, batch.events)
 
     def _draw_timeline(self, now: float) -> None:
-        """Redraw the lanes and the running summary, if a batch arrived since the last time."""
+        """Redraw the lanes and the running summary, if a batch arrived since the last time.
+
+        The next redraw waits ``timeline_interval_s``, or longer if this one took more than
+        ``timeline_share`` of that: the view stays live without slowing the training.
+        """
         if self._live.version == self._live_drawn[0]:
             return
-        self._live_drawn = (self._live.version, now)
+        started = time.monotonic()
+        self._draw_timeline_now()
+        took = time.monotonic() - started
+        self._live_drawn = (self._live.version,
+                            now + max(self.timeline_interval_s, took / self.timeline_share))
+
+    def _draw_timeline_now(self) -> None:
         self._live.rank_names = {r.rank: f"rank {r.rank} ({r.host})" if r.host else f"rank {r.rank}"
                                  for r in self._ranks}
         self._live_summary.value = self._render_timeline_summary()

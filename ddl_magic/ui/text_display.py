@@ -83,6 +83,8 @@ class TextDisplay:
             self._hosts[self._check_rank(event.rank)] = event.host
         elif isinstance(event, TimelineBatch):
             self._check_rank(event.rank)
+            if self.quiet:
+                return  # its summary would not be printed
             if self._timeline is None:
                 from .live_timeline import LiveTimeline
 
@@ -153,7 +155,7 @@ class TextDisplay:
 
     def _print_timeline_summary(self, only_if_due: bool = False) -> None:
         """The running timeline summary, if batches arrived since it was last printed."""
-        if self._timeline is None or self.quiet or self._timeline.version == self._timeline_printed[0]:
+        if self._timeline is None or self._timeline.version == self._timeline_printed[0]:
             return
         now = self._clock()
         if only_if_due and now - self._timeline_printed[1] < TIMELINE_SUMMARY_INTERVAL_S:

@@ -34,8 +34,9 @@ import json
 import math
 import operator
 import os
+import itertools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ import plotly.graph_objects as go
 import pyarrow as pa
 
 from ..trace_columns import COLUMNAR_SUFFIX, columnar_path, read_columnar_trace
+from .trace_json import JsonTraceEvents
 
 DEFAULT_MAX_SHAPES = 5_000
 """Above this many events the figure draws merged busy intervals instead of every event."""
@@ -146,7 +148,8 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
     events in columns beside it (``run.timeline.arrow``, see ``ddl_magic.trace_columns``).
     The columns are read when they are there, which takes a fraction of a second where
     parsing the JSON takes many; ``path`` may also name the ``.arrow`` file itself. Other
-    traces (Horovod's, Chrome's) are parsed as JSON.
+    traces (Horovod's, Chrome's) are parsed as JSON a chunk at a time (``trace_json``), so
+    a file bigger than memory opens as long as its events, in columns, fit.
 
     A file cut short (no closing ``]``, a trailing comma, half an event at the end; half a
     batch of columns) is read up to its last complete event and marked ``truncated``.
@@ -162,15 +165,13 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
         trace = _from_columns(table, rank_names)
         trace.truncated, trace.path = truncated, path
         return trace
+    events = JsonTraceEvents(path)
     with _garbage_collection_paused():
-        document, truncated = _parse_leniently(path.read_bytes())
-        if isinstance(document, dict):
-            trace = _from_chrome_events(document.get("traceEvents", []))
-        elif isinstance(document, list):
-            trace = _from_horovod_events(document)
-        else:
-            raise ValueError(f"{path} is not a Chrome trace: its JSON is a {type(document).__name__}")
-    trace.truncated = truncated
+        batches = iter(events)
+        first = next(batches, [])  # the kind of file is known once reading has begun
+        batches = itertools.chain([first], batches)
+        trace = _from_horovod_events(batches) if events.kind == "array" else _from_chrome_events(batches)
+    trace.truncated = events.truncated
     trace.path = path
     return trace
 
@@ -296,7 +297,8 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
                  ) -> go.Figure:
     """A zoomable timeline: one row per (rank, lane), one bar per event.
 
-    Each row is one trace, so the figure stays light however many events it has. With more
+    Each lane is one trace (its bars on every rank's row), so the figure stays light however
+    many events and ranks it has, and clicking a lane in the legend hides it on every rank. With more
     than ``max_shapes`` events it draws, per row, the busy intervals merged at the
     resolution the full trace is seen at (gaps too short to see are closed; a bar's
     opacity shows how busy it was); ``trace.between(start_ms, end_ms)`` gives the events of
@@ -307,6 +309,15 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
         >>> figure = build_figure(load_trace("run.timeline.json"))   # doctest: +SKIP
         >>> figure.show()                                            # doctest: +SKIP
     """
+    traces, layout = figure_parts(trace, max_shapes, how_to_see_more)
+    return go.Figure(data=traces, layout=layout)
+
+
+def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
+                 how_to_see_more: str = "trace.between(start_ms, end_ms) gives a window in full detail",
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``build_figure``'s traces and layout as plotly's plain dicts: what a live widget
+    updates in place, without building a figure each time."""
     events, rows, origin_us = trace.events, trace.rows, trace.origin_us
     first_us = float(events["start_us"].min()) if len(events) else origin_us
     span_us = float((events["start_us"] + events["duration_us"]).max() - first_us) if len(events) else 0.0
@@ -317,8 +328,7 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
     lane_colors = _lane_colors(rows)
     indices = events.groupby(["rank", "lane"], observed=True, sort=False).indices
 
-    figure = go.Figure()
-    lanes_in_legend: set[str] = set()
+    bars_of_lane: dict[str, list[dict[str, np.ndarray]]] = {}
     for y, (rank, lane) in enumerate(rows):
         at = indices.get((rank, lane))
         if at is None:
@@ -328,23 +338,26 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
             bars = _event_bars(events, at, y, origin_us, row_label)
         else:
             bars = _merged_bars(events, at, y, origin_us, resolution_us, row_label)
-        for bar in bars:
-            bar.update(marker_color=lane_colors[lane], name=lane, legendgroup=lane,
-                       showlegend=lane not in lanes_in_legend)
-            lanes_in_legend.add(lane)
-            figure.add_trace(bar)
+        bars_of_lane.setdefault(lane, []).append(bars)
+
+    traces = []
+    for lane, parts in bars_of_lane.items():
+        bars = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        for lane_trace in (_detailed_traces(bars) if detailed else _merged_traces(bars)):
+            lane_trace["marker"]["color"] = lane_colors[lane]
+            traces.append({**lane_trace, "name": lane, "legendgroup": lane})
 
     shown = "every event" if detailed else (
         f"busy intervals merged at {resolution_us / 1000.0:.3g} ms; {how_to_see_more}")
-    figure.update_layout(
-        title=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
-              + (" (file was cut short)" if trace.truncated else ""),
+    layout = dict(
+        title=dict(text=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
+                        + (" (file was cut short)" if trace.truncated else "")),
         barmode="overlay",
         bargap=0.2,
         hovermode="closest",
         height=160 + 24 * len(rows),
-        legend_title_text="lane (click to hide)",
-        xaxis=dict(title="time since the first event (ms)", showgrid=True, zeroline=False),
+        legend=dict(title=dict(text="lane (click to hide)")),
+        xaxis=dict(title=dict(text="time since the first event (ms)"), showgrid=True, zeroline=False),
         yaxis=dict(
             tickmode="array",
             tickvals=list(range(len(rows))),
@@ -355,7 +368,7 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
         ),
         shapes=_rank_separators(rows),
     )
-    return figure
+    return traces, layout
 
 
 def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> None:
@@ -411,153 +424,162 @@ def _garbage_collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _parse_leniently(raw: bytes) -> tuple[Any, bool]:
-    """Parse the JSON, or the longest prefix of its event array that parses.
-
-    Returns the document and whether it had to be cut. A cut object trace keeps only its
-    ``traceEvents``.
-    """
-    if not raw.strip():
-        return [], True  # Horovod creates its file before it writes the first "["
-    # A file that does not end like JSON (Horovod's, without its "]") would only fail at
-    # its very end, so skip the doomed full parse of what can be hundreds of megabytes.
-    if raw.rstrip().endswith((b"]", b"}")):
-        try:
-            return json.loads(raw), False
-        except json.JSONDecodeError:
-            pass
-    text = raw.decode("utf-8", errors="replace")
-    is_array = text.lstrip().startswith("[")
-    if is_array:
-        array_start = text.index("[")
-    elif '"traceEvents"' in text:
-        array_start = text.index("[", text.index('"traceEvents"'))
-    else:
-        raise ValueError("the file is neither a JSON array of events nor a Chrome trace object")
-    body = text[array_start + 1:]
-    # Cut after the last "}" that closes a whole event; a half-written event can hold a
-    # "}" of its own (its args), so step back a few times before giving up.
-    cut = len(body)
-    for _ in range(64):
-        cut = body.rfind("}", 0, cut)
-        if cut < 0:
-            events: list[Any] = []
-            break
-        try:
-            events = json.loads("[" + body[: cut + 1] + "]")
-            break
-        except json.JSONDecodeError:
-            continue
-    else:
-        raise ValueError("could not find where the trace's last complete event ends")
-    return (events if is_array else {"traceEvents": events}), True
-
-
-def _from_chrome_events(raw_events: list[dict[str, Any]]) -> TraceData:
+def _from_chrome_events(batches: Iterable[list[dict[str, Any]]]) -> TraceData:
     """Our format: complete events with pid = rank and the lane in ``cat``."""
-    metadata = [e for e in raw_events if e.get("ph") == "M"]
-    rank_names = {e.get("pid", 0): e.get("args", {}).get("name", "") for e in metadata
-                  if e.get("name") == "process_name"}
-    thread_names = {(e.get("pid", 0), e.get("tid", 0)): e.get("args", {}).get("name", "")
-                    for e in metadata if e.get("name") == "thread_name"}
-    complete = [e for e in raw_events if e.get("ph") == "X"]
-    # A million events make this the hot loop of loading: fetch each event's fields as one
-    # tuple and zip(*) them into columns, several times faster than appending per field.
-    try:
-        # Our writer gives every event all seven keys, so itemgetter can fetch them in C.
-        fields = list(map(_CHROME_EVENT_FIELDS, complete))
-    except KeyError:
-        # Other tools' Chrome traces leave keys out (no cat, no args).
-        fields = [(e.get("pid", 0), e.get("tid", 0), e.get("cat"), e.get("name", ""),
-                   e.get("ts", 0.0), e.get("dur", 0.0), e.get("args")) for e in complete]
-    ranks, tids, lanes, names, starts, durations, args = zip(*fields) if fields else ((),) * 7
-    if None in lanes or "" in lanes:
-        lanes = [lane or thread_names.get((rank, tid)) or f"thread {tid}"
-                 for lane, rank, tid in zip(lanes, ranks, tids)]
-    events = _eventsevents_table(ranks, lanes, names, starts, durations, args)
-    for rank in events["rank"].unique():
+    columns = _EventColumns()
+    rank_names: dict[int, str] = {}
+    thread_names: dict[tuple[Any, Any], str] = {}
+    tid_of_row: dict[tuple[int, str], Any] = {}
+    for batch in batches:
+        for e in batch:
+            if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+                name = e.get("args", {}).get("name", "")
+                if e["name"] == "process_name":
+                    rank_names[e.get("pid", 0)] = name
+                else:
+                    thread_names[(e.get("pid", 0), e.get("tid", 0))] = name
+        complete = [e for e in batch if e.get("ph") == "X"]
+        # A million events make this the hot loop of loading: fetch each event's fields as
+        # one tuple and zip(*) them into columns, several times faster than per field.
+        try:
+            # Our writer gives every event all seven keys, so itemgetter can fetch them in C.
+            fields = list(map(_CHROME_EVENT_FIELDS, complete))
+        except KeyError:
+            # Other tools' Chrome traces leave keys out (no cat, no args).
+            fields = [(e.get("pid", 0), e.get("tid", 0), e.get("cat"), e.get("name", ""),
+                       e.get("ts", 0.0), e.get("dur", 0.0), e.get("args")) for e in complete]
+        if not fields:
+            continue
+        ranks, tids, lanes, names, starts, durations, args = zip(*fields)
+        if None in lanes or "" in lanes:
+            lanes = tuple(lane or thread_names.get((rank, tid)) or f"thread {tid}"
+                          for lane, rank, tid in zip(lanes, ranks, tids))
+        for rank, lane, tid in dict.fromkeys(zip(ranks, lanes, tids)):
+            tid_of_row.setdefault((rank, lane), tid)
+        columns.add(ranks, lanes, names, starts, durations, args)
+    events = columns.table()
+    for rank in np.unique(events["rank"].to_numpy()):
         rank_names.setdefault(int(rank), f"rank {rank}")
     # The writer numbers a lane's tid by its fixed order, so sorting by tid keeps rows stable.
-    first_event_of_row = {
-        row: at[0] for row, at in events.groupby(["rank", "lane"], observed=True, sort=False).indices.items()
-    }
-    rows = sorted(first_event_of_row, key=lambda row: (
-        row[0], _sortable_number(tids[first_event_of_row[row]]), row[1]))
+    rows = sorted(((int(rank), lane) for rank, lane in tid_of_row), key=lambda row: (
+        row[0], _sortable_number(tid_of_row[row]), row[1]))
     return TraceData(events, rows, dict(sorted(rank_names.items())), "ddl_magic")
 
 
-def _from_horovod_events(raw_events: list[dict[str, Any]]) -> TraceData:
+def _from_horovod_events(batches: Iterable[list[dict[str, Any]]]) -> TraceData:
     """Horovod's format: pid = tensor, B/E pairs per activity, X ticks, global instants."""
+    columns = _EventColumns()
     tensor_of_pid: dict[int, str] = {}
     open_spans: dict[int, list[tuple[str, float]]] = {}
-    ranks, lanes, names, starts, durations, args = [], [], [], [], [], []
+    lanes_seen: dict[str, None] = {}
+    lanes, names, starts, durations, args = [], [], [], [], []
 
     def add(lane: str, name: str, start: float, duration: float, event_args: dict | None) -> None:
-        ranks.append(0)
         lanes.append(lane)
         names.append(name)
         starts.append(start)
         durations.append(duration)
         args.append(event_args)
 
+    def into_columns() -> None:
+        lanes_seen.update(dict.fromkeys(lanes))
+        columns.add([0] * len(lanes), lanes, names, starts, durations, args)
+        for kept in (lanes, names, starts, durations, args):
+            kept.clear()
+
     last_ts = 0.0
-    for event in raw_events:
-        phase, pid = event.get("ph"), event.get("pid", 0)
-        ts = float(event.get("ts", last_ts))
-        last_ts = max(last_ts, ts)
-        tensor = tensor_of_pid.get(pid, "")
-        if phase == "M":
-            if event.get("name") == "process_name" and "name" in event.get("args", {}):
-                tensor_of_pid[pid] = event["args"]["name"]
-        elif phase == "B":
-            open_spans.setdefault(pid, []).append((event.get("name", ""), ts))
-        elif phase == "E" and open_spans.get(pid):
-            activity, start = open_spans[pid].pop()
-            add(activity, tensor, start, ts - start, {"tensor": tensor})
-        elif phase == "X":
-            activity = event.get("name", "")
-            if activity.isdigit():
-                # Horovod's negotiation tick: the name is the rank that reported ready.
-                add(_HOROVOD_RANK_READY, f"{tensor}: rank {activity} ready", ts, 0.0, {"tensor": tensor})
-            else:
-                add(activity, tensor, ts, float(event.get("dur", 0.0)), {"tensor": tensor})
-        elif phase in ("i", "I", "R"):
-            add(event.get("name", ""), event.get("name", ""), ts, 0.0, None)
+    for batch in batches:
+        for event in batch:
+            phase, pid = event.get("ph"), event.get("pid", 0)
+            ts = float(event.get("ts", last_ts))
+            last_ts = max(last_ts, ts)
+            tensor = tensor_of_pid.get(pid, "")
+            if phase == "M":
+                if event.get("name") == "process_name" and "name" in event.get("args", {}):
+                    tensor_of_pid[pid] = event["args"]["name"]
+            elif phase == "B":
+                open_spans.setdefault(pid, []).append((event.get("name", ""), ts))
+            elif phase == "E" and open_spans.get(pid):
+                activity, start = open_spans[pid].pop()
+                add(activity, tensor, start, ts - start, {"tensor": tensor})
+            elif phase == "X":
+                activity = event.get("name", "")
+                if activity.isdigit():
+                    # Horovod's negotiation tick: the name is the rank that reported ready.
+                    add(_HOROVOD_RANK_READY, f"{tensor}: rank {activity} ready", ts, 0.0, {"tensor": tensor})
+                else:
+                    add(activity, tensor, ts, float(event.get("dur", 0.0)), {"tensor": tensor})
+            elif phase in ("i", "I", "R"):
+                add(event.get("name", ""), event.get("name", ""), ts, 0.0, None)
+        into_columns()
     # A span still open when the file ends is what the job was stuck in: show it to the end.
     for pid, spans in open_spans.items():
         for activity, start in spans:
             tensor = tensor_of_pid.get(pid, "")
             add(activity, f"{tensor} (unfinished)", start, last_ts - start, {"tensor": tensor})
-    events = _eventsevents_table(ranks, lanes, names, starts, durations, args)
-    rows = [(0, lane) for lane in dict.fromkeys(lanes)]
-    return TraceData(events, rows, {0: "rank 0"} if lanes else {}, "horovod")
+    into_columns()
+    rows = [(0, lane) for lane in lanes_seen]
+    return TraceData(columns.table(), rows, {0: "rank 0"} if lanes_seen else {}, "horovod")
 
 
-def _eventsevents_table(
-    ranks: Sequence[int],
-    lanes: Sequence[str],
-    names: Sequence[str],
-    starts: Sequence[float],
-    durations: Sequence[float],
-    args: Sequence[dict[str, Any] | None],
-) -> pd.DataFrame:
-    """The columnar event table of events parsed from JSON, in the order they were given.
+class _EventColumns:
+    """Builds the event table from batches of parsed JSON events, keeping only columns.
 
     Only what the viewer uses is kept from ``args``. Keeping the dicts themselves (a million
     of them, holding lists) would make every later full garbage collection in the notebook
     walk them all, about a second each time.
     """
-    return events_table(
-        rank=np.asarray(ranks, dtype=np.int64),
-        lane=pd.Categorical(lanes),
-        name=pa.array(names, pa.string()),
-        start_us=_numbers(starts),
-        duration_us=_numbers(durations),
-        nbytes=_numbers([a.get("bytes") if a else None for a in args]),
-        world_size=_numbers([a.get("size") if a else None for a in args]),
-        op=pd.Categorical([a.get("op") if a else None for a in args]),
-        tensors=pa.array(list(map(_tensor_names, args)), pa.list_(pa.string())),
-    )
+
+    def __init__(self) -> None:
+        self._numbers: dict[str, list[np.ndarray]] = {
+            key: [] for key in ("rank", "start_us", "duration_us", "bytes", "world_size")}
+        self._codes: dict[str, list[np.ndarray]] = {"lane": [], "op": []}
+        self._categories: dict[str, dict[str, int]] = {"lane": {}, "op": {}}
+        self._names: list[pa.Array] = []
+        self._tensors: list[pa.Array] = []
+
+    def add(self, ranks: Sequence[int], lanes: Sequence[str], names: Sequence[str],
+            starts: Sequence[float], durations: Sequence[float],
+            args: Sequence[dict[str, Any] | None]) -> None:
+        """Take one batch of events, given field by field."""
+        self._numbers["rank"].append(np.asarray(ranks, dtype=np.int64))
+        self._numbers["start_us"].append(_numbers(starts))
+        self._numbers["duration_us"].append(_numbers(durations))
+        self._numbers["bytes"].append(_numbers([a.get("bytes") if a else None for a in args]))
+        self._numbers["world_size"].append(_numbers([a.get("size") if a else None for a in args]))
+        self._add_codes("lane", lanes)
+        self._add_codes("op", [a.get("op") if a else None for a in args])
+        self._names.append(pa.array(names, pa.string()))
+        self._tensors.append(pa.array(list(map(_tensor_names, args)), pa.list_(pa.string())))
+
+    def table(self) -> pd.DataFrame:
+        """Every batch's events, in the order they were added."""
+        numbers = {key: np.concatenate(chunks) if chunks else np.empty(0)
+                   for key, chunks in self._numbers.items()}
+        return events_table(
+            rank=numbers["rank"].astype(np.int64),
+            lane=self._categorical("lane"),
+            name=pa.chunked_array(self._names, pa.string()),
+            start_us=numbers["start_us"],
+            duration_us=numbers["duration_us"],
+            nbytes=numbers["bytes"],
+            world_size=numbers["world_size"],
+            op=self._categorical("op"),
+            tensors=pa.chunked_array(self._tensors, pa.list_(pa.string())),
+        )
+
+    def _add_codes(self, column: str, values: Sequence[Any]) -> None:
+        """The batch's values as codes in the whole table's categories (-1 for missing)."""
+        batch = pd.Categorical(values)
+        known = self._categories[column]
+        to_table = np.array([known.setdefault(value, len(known)) for value in batch.categories] + [-1],
+                            dtype=np.int32)
+        self._codes[column].append(to_table[batch.codes])
+
+    def _categorical(self, column: str) -> pd.Categorical:
+        chunks = self._codes[column]
+        codes = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int32)
+        return pd.Categorical.from_codes(codes, categories=list(self._categories[column]))
 
 
 def _from_columns(table: pa.Table, rank_names: dict[int, str]) -> TraceData:
@@ -814,43 +836,49 @@ def _lane_colors(rows: list[tuple[int, str]]) -> dict[str, str]:
 
 def _event_bars(
     events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, row_label: str
-) -> list[go.BaseTraceType]:
-    """One row's events, each a bar from its start to its end, plus ticks for instants."""
+) -> dict[str, np.ndarray]:
+    """One row's events, each a bar from its start to its end (ms); what hovering shows."""
     start_ms = (events["start_us"].to_numpy()[at] - origin_us) / 1000.0
-    duration_ms = events["duration_us"].to_numpy()[at] / 1000.0
     names = events["name"].iloc[at].tolist()
     tensors = events["tensors"].iloc[at].tolist()
     nbytes = events["bytes"].to_numpy()[at]
     details = np.array(
-        [[name, _describe_tensors(t), _describe_bytes(b), round(s, 3)]
+        [[name, _describe_tensors(t), _describe_bytes(b), round(s, 3), row_label]
          for name, t, b, s in zip(names, tensors, nbytes, start_ms)],
         dtype=object,
-    ).reshape(len(at), 4)
-    hover = (f"<b>%{{customdata[0]}}</b><br>{row_label}<br>start %{{customdata[3]}} ms, "
+    ).reshape(len(at), 5)
+    return {"base": start_ms, "x": events["duration_us"].to_numpy()[at] / 1000.0,
+            "y": np.full(len(at), y), "customdata": details}
+
+
+def _detailed_traces(bars: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """One lane's events: a bar each, and a tick each for those that took no time."""
+    hover = ("<b>%{customdata[0]}</b><br>%{customdata[4]}<br>start %{customdata[3]} ms, "
              "took %{x:.3f} ms<br>tensors: %{customdata[1]}<br>bytes: %{customdata[2]}"
              "<extra></extra>")
-    bars: list[go.BaseTraceType] = []
-    has_length = duration_ms > 0
+    traces: list[dict[str, Any]] = []
+    has_length = bars["x"] > 0
     if has_length.any():
-        bars.append(go.Bar(
-            orientation="h", base=start_ms[has_length], x=duration_ms[has_length],
-            y=np.full(int(has_length.sum()), y), width=0.8, marker_line_width=0,
-            customdata=details[has_length], hovertemplate=hover,
+        traces.append(dict(
+            type="bar", orientation="h", base=bars["base"][has_length], x=bars["x"][has_length],
+            y=bars["y"][has_length], width=0.8, marker=dict(line=dict(width=0)),
+            customdata=bars["customdata"][has_length], hovertemplate=hover,
         ))
     if (~has_length).any():
         instants = ~has_length
-        bars.append(go.Scatter(
-            mode="markers", x=start_ms[instants], y=np.full(int(instants.sum()), y),
-            marker=dict(symbol="line-ns-open", size=14, line_width=2),
-            customdata=details[instants], hovertemplate=hover.replace("took %{x:.3f} ms", "instant"),
+        traces.append(dict(
+            type="scatter", mode="markers", x=bars["base"][instants], y=bars["y"][instants],
+            marker=dict(symbol="line-ns-open", size=14, line=dict(width=2)),
+            customdata=bars["customdata"][instants], hovertemplate=hover.replace("took %{x:.3f} ms", "instant"),
+            showlegend=not has_length.any(),
         ))
-    return bars
+    return traces
 
 
 def _merged_bars(
     events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, resolution_us: float, row_label: str
-) -> list[go.BaseTraceType]:
-    """One row's busy intervals with gaps under ``resolution_us`` closed, as bars."""
+) -> dict[str, np.ndarray]:
+    """One row's busy intervals with gaps under ``resolution_us`` closed, as bars (ms)."""
     start = events["start_us"].to_numpy()[at] - origin_us
     end = start + events["duration_us"].to_numpy()[at]
     # Exact busy time first (union of the events), then close the gaps nobody could see.
@@ -863,12 +891,19 @@ def _merged_bars(
     width_us = np.maximum(group_end - group_start, resolution_us)
     busy_fraction = np.clip(busy_us / np.maximum(group_end - group_start, 1e-9), 0.0, 1.0)
     busy_fraction[group_end == group_start] = 1.0
-    details = np.column_stack([counts, np.round(busy_us / 1000.0, 3), np.round(group_start / 1000.0, 3)])
-    return [go.Bar(
-        orientation="h", base=group_start / 1000.0, x=width_us / 1000.0, y=np.full(len(group_start), y),
-        width=0.8, marker_line_width=0, marker_opacity=0.25 + 0.75 * busy_fraction,
-        customdata=details,
-        hovertemplate=(f"<b>%{{customdata[0]:,}} events</b><br>{row_label}<br>"
+    details = np.empty((len(group_start), 4), dtype=object)
+    details[:, 0], details[:, 1] = counts, np.round(busy_us / 1000.0, 3)
+    details[:, 2], details[:, 3] = np.round(group_start / 1000.0, 3), row_label
+    return {"base": group_start / 1000.0, "x": width_us / 1000.0, "y": np.full(len(group_start), y),
+            "opacity": 0.25 + 0.75 * busy_fraction, "customdata": details}
+
+
+def _merged_traces(bars: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """One lane's busy intervals; a bar's opacity says how busy it was."""
+    return [dict(
+        type="bar", orientation="h", base=bars["base"], x=bars["x"], y=bars["y"], width=0.8,
+        marker=dict(line=dict(width=0), opacity=bars["opacity"]), customdata=bars["customdata"],
+        hovertemplate=("<b>%{customdata[0]:,} events</b><br>%{customdata[3]}<br>"
                        "from %{customdata[2]} ms over %{x:.3f} ms, busy %{customdata[1]} ms"
                        "<extra></extra>"),
     )]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import plotly.graph_objects as go
 
-from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, build_figure
+from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, figure_parts
 
 ZOOM_HINT = "zoom in to see every event"
 
@@ -35,19 +35,20 @@ class ZoomableTimeline:
         self.max_shapes = max_shapes
         self.on_rank_click = on_rank_click
         self.window_ms: tuple[float, float] | None = None
-        self.widget = go.FigureWidget(self._figure(trace))
+        traces, layout = self._parts(trace)
+        self.widget = go.FigureWidget(data=traces, layout=layout)
         self._listen_to_clicks()
         self.widget.layout.on_change(self._on_x_axis_change, "xaxis.range", "xaxis.autorange")
 
     def show_window(self, start_ms: float, end_ms: float) -> None:
         """Draw only the events in ``[start_ms, end_ms]``, in full detail if few enough."""
         self.window_ms = (start_ms, end_ms)
-        self._draw(self._figure(self.trace.between(start_ms, end_ms)))
+        self._draw(*self._parts(self.trace.between(start_ms, end_ms)))
 
     def show_all(self) -> None:
         """Draw the whole trace again (what double-clicking the figure does)."""
         self.window_ms = None
-        self._draw(self._figure(self.trace))
+        self._draw(*self._parts(self.trace))
 
     def replace_trace(self, trace: TraceData) -> None:
         """Show ``trace`` instead (a live run's timeline grew), keeping the window shown."""
@@ -57,8 +58,8 @@ class ZoomableTimeline:
         else:
             self.show_window(*self.window_ms)
 
-    def _figure(self, trace: TraceData) -> go.Figure:
-        return build_figure(trace, self.max_shapes, how_to_see_more=ZOOM_HINT)
+    def _parts(self, trace: TraceData) -> tuple[list[dict], dict]:
+        return figure_parts(trace, self.max_shapes, how_to_see_more=ZOOM_HINT)
 
     def _on_x_axis_change(self, layout: go.Layout, x_range: tuple[float, float] | None,
                           autorange: bool | None) -> None:
@@ -68,17 +69,27 @@ class ZoomableTimeline:
         elif tuple(x_range) != self.window_ms:
             self.show_window(float(x_range[0]), float(x_range[1]))
 
-    def _draw(self, figure: go.Figure) -> None:
-        """Swap the widget's bars for ``figure``'s; the axes, and so the zoom, stay as they are."""
+    def _draw(self, traces: list[dict], layout: dict) -> None:
+        """Show ``traces``; the x axis, and so the zoom, stays as it is.
+
+        When the lanes are the same as shown (the usual case: a live run's next second, a
+        zoom), each trace's arrays are replaced in place, one message to the browser;
+        otherwise the traces are swapped for new ones.
+        """
+        same_lanes = [(t.type, t.name) for t in self.widget.data] == [(t["type"], t["name"]) for t in traces]
         with self.widget.batch_update():
-            self.widget.layout.title = figure.layout.title
-            self.widget.layout.yaxis.tickvals = figure.layout.yaxis.tickvals
-            self.widget.layout.yaxis.ticktext = figure.layout.yaxis.ticktext
-            self.widget.layout.shapes = figure.layout.shapes
-            self.widget.layout.height = figure.layout.height
-        self.widget.data = ()
-        self.widget.add_traces(list(figure.data))
-        self._listen_to_clicks()
+            self.widget.layout.title.text = layout["title"]["text"]
+            self.widget.layout.yaxis.tickvals = layout["yaxis"]["tickvals"]
+            self.widget.layout.yaxis.ticktext = layout["yaxis"]["ticktext"]
+            self.widget.layout.shapes = layout["shapes"]
+            self.widget.layout.height = layout["height"]
+            if same_lanes:
+                for shown, new in zip(self.widget.data, traces):
+                    shown.update({key: value for key, value in new.items() if key != "type"})
+        if not same_lanes:
+            self.widget.data = ()
+            self.widget.add_traces(traces)
+            self._listen_to_clicks()
 
     def _listen_to_clicks(self) -> None:
         if self.on_rank_click is None:
