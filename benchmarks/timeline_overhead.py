@@ -53,8 +53,8 @@ BLOCK_ORDER = ("off", "on", "on", "off")
 SPREAD_WARNING = 0.25
 
 
-def alternating_training(blocks: int, steps_per_block: int, warmup: int, timeline_path: str) -> dict:
-    """Train in blocks of steps with the timeline off and on by turns; each side's step times."""
+def warmed_up_training(warmup: int):
+    """On a rank: ``train_step.py``'s model, its optimizer through ddl_magic, warmed up."""
     import ddl_magic.torch as hvd
 
     torch.set_num_threads(1)
@@ -64,6 +64,14 @@ def alternating_training(blocks: int, steps_per_block: int, warmup: int, timelin
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     train_step = training_step(model, optimizer, hvd.rank())
     time_iterations(train_step, hvd.barrier, 0, warmup)
+    return model, train_step
+
+
+def alternating_training(blocks: int, steps_per_block: int, warmup: int, timeline_path: str) -> dict:
+    """Train in blocks of steps with the timeline off and on by turns; each side's step times."""
+    import ddl_magic.torch as hvd
+
+    model, train_step = warmed_up_training(warmup)
     times: dict[str, list[float]] = {"off": [], "on": []}
     for block in range(blocks):
         side = BLOCK_ORDER[block % len(BLOCK_ORDER)]
@@ -136,15 +144,7 @@ def print_training(training: dict, blocks: int, steps_per_block: int) -> None:
 
 def steady_training(steps: int, warmup: int) -> dict:
     """Train with the timeline recording throughout; each step's start (monotonic) and time."""
-    import ddl_magic.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
-    model = mlp()
-    optimizer = hvd.DistributedOptimizer(sgd(model, hvd.size()), named_parameters=model.named_parameters())
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    train_step = training_step(model, optimizer, hvd.rank())
-    time_iterations(train_step, hvd.barrier, 0, warmup)
+    _, train_step = warmed_up_training(warmup)
     starts, times = [], []
     for _ in range(steps):
         starts.append(time.monotonic())

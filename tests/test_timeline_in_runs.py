@@ -278,8 +278,8 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
         state = content.get("data", {}).get("state", {})
         if message["msg_type"] == "comm_open" and "_widget_data" in state:
             figure_ids.add(content["comm_id"])  # the lanes: a plotly FigureWidget
-        elif content.get("comm_id") in figure_ids and state.get("_py2js_addTraces"):
-            redraws.append(state["_py2js_addTraces"])
+        elif content.get("comm_id") in figure_ids and (state.get("_py2js_update") or state.get("_py2js_addTraces")):
+            redraws.append(state.get("_py2js_update") or state["_py2js_addTraces"])  # in place, or new lanes
         elif "timeline so far" in str(state.get("value", "")):
             summaries.append(state["value"])
         if len(redraws) >= 2 and not stop_file.exists():
@@ -306,7 +306,7 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
     assert out.error is None, out.error
     assert len(figure_ids) == 2  # the live lanes, then the full viewer once the run ended
     assert len(redraws) >= 2
-    assert all(redraw.get("trace_data") for redraw in redraws)
+    assert all(redraw.get("style_data") or redraw.get("trace_data") for redraw in redraws)
     recorded_s = [{int(rank): float(seconds) for rank, seconds in
                    re.findall(r"<tr><td>(\d+)</td>.*?<td>([\d.]+)</td></tr>", summary)}
                   for summary in summaries]

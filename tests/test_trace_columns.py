@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,17 @@ def test_the_viewer_reads_the_columns_and_summarises_them_as_the_json(tmp_path: 
     assert from_columns.rank_names == from_json.rank_names
     pytest.importorskip("pandas").testing.assert_frame_equal(
         summarize(from_columns), summarize(from_json), check_dtype=False)
+
+
+def test_a_json_trace_newer_than_its_columns_is_read_from_the_json(tmp_path: Path) -> None:
+    path = write_run(tmp_path / "run.timeline.json", odd_batches())
+    assert load_trace(path).events["rank"].tolist().count(1) == 1
+    # Another program (Horovod, with HOROVOD_TIMELINE) writes the same path later.
+    path.write_text('[{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "w"}},'
+                    '{"ph": "X", "name": "NCCL_ALLREDUCE", "ts": 5, "dur": 2, "pid": 1}]')
+    os.utime(path, ns=(columnar_path(path).stat().st_mtime_ns + 1,) * 2)
+    trace = load_trace(path)
+    assert trace.source == "horovod" and trace.events["lane"].tolist() == ["NCCL_ALLREDUCE"]
 
 
 def test_a_closed_writer_says_so(tmp_path: Path) -> None:

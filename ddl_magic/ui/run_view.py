@@ -45,7 +45,9 @@ LOG_HEIGHT = "360px"
 LIVE_TIMELINE_INTERVAL_S = 1.0
 LIVE_TIMELINE_SHARE = 0.02
 """The most of the driver's time that redrawing the live lanes may take: on a busy machine
-(the driver shares its cores with the ranks) a slow redraw waits longer for the next."""
+(the driver shares its cores with the ranks) a slow redraw waits longer for the next..."""
+LIVE_TIMELINE_LONGEST_WAIT_S = 10.0
+"""...but never longer than this."""
 
 
 class LogLine:
@@ -281,15 +283,17 @@ class RunView:
         """Redraw the lanes and the running summary, if a batch arrived since the last time.
 
         The next redraw waits ``timeline_interval_s``, or longer if this one took more than
-        ``timeline_share`` of that: the view stays live without slowing the training.
+        ``timeline_share`` of that: the view stays live without slowing the training. The
+        first draw, which makes the widget (and imports plotly), does not count.
         """
         if self._live.version == self._live_drawn[0]:
             return
+        first = self._live_lanes is None
         started = time.monotonic()
         self._draw_timeline_now()
-        took = time.monotonic() - started
-        self._live_drawn = (self._live.version,
-                            now + max(self.timeline_interval_s, took / self.timeline_share))
+        took = 0.0 if first else time.monotonic() - started
+        wait = min(max(self.timeline_interval_s, took / self.timeline_share), LIVE_TIMELINE_LONGEST_WAIT_S)
+        self._live_drawn = (self._live.version, now + wait)
 
     def _draw_timeline_now(self) -> None:
         self._live.rank_names = {r.rank: f"rank {r.rank} ({r.host})" if r.host else f"rank {r.rank}"

@@ -30,11 +30,10 @@ import contextlib
 import dataclasses
 import gc
 import html
-import json
+import itertools
 import math
 import operator
 import os
-import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -151,6 +150,9 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
     traces (Horovod's, Chrome's) are parsed as JSON a chunk at a time (``trace_json``), so
     a file bigger than memory opens as long as its events, in columns, fit.
 
+    The columns are not used when the JSON is newer (another program wrote the same path
+    since, or the driver died between writing the two): the JSON then says more.
+
     A file cut short (no closing ``]``, a trailing comma, half an event at the end; half a
     batch of columns) is read up to its last complete event and marked ``truncated``.
 
@@ -160,7 +162,7 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
     """
     path = Path(path)
     columns = path if path.suffix == COLUMNAR_SUFFIX else columnar_path(path)
-    if columns.exists():
+    if _columns_are_current(columns, path):
         table, rank_names, truncated = read_columnar_trace(columns)
         trace = _from_columns(table, rank_names)
         trace.truncated, trace.path = truncated, path
@@ -174,6 +176,15 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
     trace.truncated = events.truncated
     trace.path = path
     return trace
+
+
+def _columns_are_current(columns: Path, path: Path) -> bool:
+    """Whether the columnar file exists and holds at least what the JSON trace at ``path`` does."""
+    if not columns.exists():
+        return False
+    if columns == path or not path.exists():
+        return True
+    return columns.stat().st_mtime_ns >= path.stat().st_mtime_ns
 
 
 def lane_category(lane: str) -> str:
