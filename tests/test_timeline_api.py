@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from ranks import run_on_ranks
+from trace_files import chrome_events, columnar_events
 
 
 def traced_allreduce(path):
@@ -48,6 +49,8 @@ def test_a_plain_script_writes_its_own_trace(tmp_path):
     script = ("import torch, ddl_magic.torch as hvd\nhvd.init()\n"
               f"hvd.start_timeline({str(path)!r})\n"
               "with hvd.timeline_span('work'):\n    hvd.allreduce(torch.ones(3))\n"
+              "with hvd.timeline_span(3):\n    pass\n"
               "hvd.stop_timeline()\n")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
-    assert "work" in {e["name"] for e in events_by_rank(path)[0]}
+    assert {"work", "3"} <= {e["name"] for e in events_by_rank(path)[0]}
+    assert columnar_events(path) == chrome_events(path)  # its columnar copy, as a run's

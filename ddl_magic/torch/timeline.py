@@ -18,14 +18,14 @@ from typing import ContextManager
 
 from .. import worker
 from ..runtime.timeline import recorder
-from ..trace_writer import TraceWriter
 
 _standalone_path: str | None = None
 
 
 def timeline_span(name: str, **args) -> ContextManager:
-    """Record the time the `with` body takes as one event in the "user" lane."""
-    return recorder.span("user", name, **args)
+    """Record the time the `with` body takes as one event in the "user" lane, named `name`
+    (a number becomes its text: `timeline_span(3)` names the event "3")."""
+    return recorder.span("user", str(name), **args)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -40,14 +40,17 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 
 def stop_timeline() -> None:
-    """Stop recording; everything recorded so far is written."""
+    """Stop recording; everything recorded so far is written (in a plain script: the Chrome
+    trace at the path given to `start_timeline` and its columnar copy beside it)."""
     global _standalone_path
     if worker.control is not None:
         worker.stop_timeline_shipping()
         return
     recorder.enabled = False
     if _standalone_path is not None:
-        with TraceWriter(_standalone_path) as trace:
+        from ..trace_columns import TraceFiles
+
+        with TraceFiles(_standalone_path) as trace:
             trace.add_rank(0, socket.gethostname())
             trace.write(0, recorder.drain())
         _standalone_path = None
