@@ -96,14 +96,19 @@ class LiveTimeline:
             for rank, (first, last) in sorted(self._span_by_rank.items())
         }
 
-    def summary_line(self, elapsed_s: float) -> str:
-        """One line saying, per rank, what share of its time went to each kind so far."""
-        parts = []
+    def shares(self) -> dict[int, list[str]]:
+        """Per rank, the percent of its time so far that went to each of ``KINDS``, as the
+        summary shows it ("–" for a kind not recorded)."""
+        shown = {}
         for rank, numbers in self.summary().items():
             wall = numbers["wall_ms"]
-            shares = [format_percent(100.0 * numbers[f"{kind}_ms"] / wall) if wall > 0 else NOT_MEASURED
-                      for kind in KINDS]
-            parts.append(f"rank {rank} {'/'.join(shares)}")
+            shown[rank] = [format_percent(100.0 * numbers[f"{kind}_ms"] / wall) if wall > 0 else NOT_MEASURED
+                           for kind in KINDS]
+        return shown
+
+    def summary_line(self, elapsed_s: float) -> str:
+        """One line saying, per rank, what share of its time went to each kind so far."""
+        parts = [f"rank {rank} {'/'.join(shares)}" for rank, shares in self.shares().items()]
         return (f"[timeline] {elapsed_s:.1f} s · % of time waiting/communicating/computing: "
                 + " · ".join(parts))
 
@@ -115,7 +120,7 @@ class LiveTimeline:
         count = len(rank)
         events = events_table(
             rank=rank, lane=pd.Categorical.from_codes(lane_code, categories=lane_names),
-            name=pa.array([""] * count, pa.string()), start_us=start, duration_us=end - start,
+            name=pa.repeat(pa.scalar("", pa.string()), count), start_us=start, duration_us=end - start,
             nbytes=np.full(count, math.nan), world_size=np.full(count, math.nan),
             op=pd.Categorical.from_codes(np.full(count, -1), categories=[]),
             tensors=pa.ListArray.from_arrays(pa.array(np.zeros(count + 1, np.int32)), pa.array([], pa.string())),

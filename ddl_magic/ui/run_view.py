@@ -310,17 +310,13 @@ class RunView:
             self._live_lanes.replace_trace(trace)
 
     def _render_timeline_summary(self) -> str:
-        from .timeline_viewer import format_percent
+        from .live_timeline import KINDS
 
-        rows = []
-        for rank, numbers in self._live.summary().items():
-            wall = numbers["wall_ms"]
-            shares = "".join(
-                f"<td>{format_percent(100.0 * numbers[f'{kind}_ms'] / wall) if wall > 0 else '–'}</td>"
-                for kind in ("wait", "communicate", "compute"))
-            rows.append(f"<tr><td>{rank}</td>{shares}<td>{wall / 1000.0:.1f}</td></tr>")
-        header = ("<tr><th>rank</th><th>wait %</th><th>communicate %</th><th>compute %</th>"
-                  "<th>recorded s</th></tr>")
+        summary, shares = self._live.summary(), self._live.shares()
+        rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{share}</td>' for share in shares[rank])}"
+                f"<td>{summary[rank]['wall_ms'] / 1000.0:.1f}</td></tr>" for rank in summary]
+        header = ("<tr><th>rank</th>" + "".join(f"<th>{kind} %</th>" for kind in KINDS)
+                  + "<th>recorded s</th></tr>")
         style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
         return f'<b>timeline so far</b><table style="{style}">{header}{"".join(rows)}</table>'
 

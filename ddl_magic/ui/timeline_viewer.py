@@ -50,6 +50,7 @@ from .trace_json import JsonTraceEvents
 
 DEFAULT_MAX_SHAPES = 5_000
 """Above this many events the figure draws merged busy intervals instead of every event."""
+_BETWEEN_HINT = "trace.between(start_ms, end_ms) gives a window in full detail"
 
 # What each of our lanes spends the rank's time on. A tensor negotiates from its submission
 # until every rank has submitted it, so that is time waiting for the slowest rank. "user"
@@ -304,8 +305,7 @@ def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
-                 how_to_see_more: str = "trace.between(start_ms, end_ms) gives a window in full detail",
-                 ) -> go.Figure:
+                 how_to_see_more: str = _BETWEEN_HINT) -> go.Figure:
     """A zoomable timeline: one row per (rank, lane), one bar per event.
 
     Each lane is one trace (its bars on every rank's row), so the figure stays light however
@@ -325,8 +325,7 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
 
 
 def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
-                 how_to_see_more: str = "trace.between(start_ms, end_ms) gives a window in full detail",
-                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 how_to_see_more: str = _BETWEEN_HINT) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``build_figure``'s traces and layout as plotly's plain dicts: what a live widget
     updates in place, without building a figure each time."""
     events, rows, origin_us = trace.events, trace.rows, trace.origin_us
@@ -619,8 +618,9 @@ def _from_columns(table: pa.Table, rank_names: dict[int, str]) -> TraceData:
 
 
 def events_table(*, rank: np.ndarray, lane: pd.Categorical, name: pa.Array | pa.ChunkedArray,
-           start_us: np.ndarray, duration_us: np.ndarray, nbytes: np.ndarray, world_size: np.ndarray,
-           op: pd.Categorical, tensors: pa.Array | pa.ChunkedArray) -> pd.DataFrame:
+                 start_us: np.ndarray, duration_us: np.ndarray, nbytes: np.ndarray,
+                 world_size: np.ndarray, op: pd.Categorical,
+                 tensors: pa.Array | pa.ChunkedArray) -> pd.DataFrame:
     """The event table ``TraceData`` documents. Names and tensor lists stay in Arrow memory,
     so a big trace holds no Python object per event."""
     return pd.DataFrame({

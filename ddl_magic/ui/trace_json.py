@@ -167,8 +167,8 @@ class _TextChunks:
         return bool(data)
 
     def read_rest(self) -> str:
-        rest = self._decoder.decode(self._file.read(), final=True)
-        return rest
+        """The text not read yet, to the end of the file."""
+        return self._decoder.decode(self._file.read(), final=True)
 
     def keep_from(self, position: int) -> int:
         """Drop the text before ``position``; returns where ``position`` now is (0)."""
