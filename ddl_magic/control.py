@@ -6,6 +6,10 @@ host and ring listener (rank 0 also a port it keeps for torch.distributed's stor
 then on the server turns what ranks send into `ddl_magic.events` on one queue, which the
 driver's main thread drains. A connection that fails the handshake is dropped without
 disturbing the run.
+
+Whatever starts a rank on another machine (a Spark task) may also connect, with the purpose
+``"task"``, to say in one message that the rank's process ended (`report_rank_exit`): the
+driver then hears at once of a rank that died before it could register.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import socket
 import threading
 import time
 
-from .events import (RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch,
-                     TimelineStarted)
+from .events import (ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
+                     TimelineBatch, TimelineStarted)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -90,11 +94,15 @@ class ControlServer:
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            channel, _ = Channel.accept(sock, self._secret, {"control"}, HANDSHAKE_TIMEOUT_S)
+            channel, purpose = Channel.accept(sock, self._secret, {"control", "task"},
+                                              HANDSHAKE_TIMEOUT_S)
         except (OSError, AuthenticationError, PeerClosedError):
             return  # a stranger, or garbage: refused, and the run goes on
         rank = None
         try:
+            if purpose == "task":
+                self._relay_rank_exit(channel)
+                return
             rank = self._register(channel)
             if rank is not None:
                 self._relay(channel, rank)
@@ -156,6 +164,12 @@ class ControlServer:
                 self._finished.add(rank)
                 self.events.put(RankFailed(rank, host, *message[1:]))
 
+    def _relay_rank_exit(self, channel: Channel) -> None:
+        channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        _, rank, host, returncode, output = channel.recv()
+        if 0 <= rank < self.np:
+            self.events.put(ProcessExited(rank, returncode, output, host))
+
     def _connection_ended(self, rank: int) -> None:
         with self._lock:
             self._channels.pop(rank, None)
@@ -163,3 +177,14 @@ class ControlServer:
         if rank not in self._finished and not closed:
             host = self._registrations[rank][1]
             self.events.put(RankFailed(rank, host, "", "connection lost"))
+
+
+def report_rank_exit(control_address: tuple[str, int], secret: bytes, rank: int, host: str,
+                     returncode: int | None, output: str) -> None:
+    """Tell the run's driver that rank `rank`'s process ended (`returncode` None: it could not
+    start, and `output` says why). Raises OSError if the driver cannot be reached."""
+    channel = Channel.connect(control_address, secret, "task", HANDSHAKE_TIMEOUT_S)
+    try:
+        channel.send(("exited", rank, host, returncode, output))
+    finally:
+        channel.close()

@@ -55,6 +55,21 @@ class RankFailed:
 
 
 @dataclass(frozen=True)
+class ProcessExited:
+    """A rank's process ended, as whatever started it saw (the run loop reads the exit code).
+
+    ``output`` is what the rank printed outside the worker's forwarding (an error before it
+    could connect to the driver, typically). ``returncode`` is None when the process could
+    not be started at all; ``output`` then says why.
+    """
+
+    rank: int
+    returncode: int | None
+    output: str = ""
+    host: str = ""
+
+
+@dataclass(frozen=True)
 class TimelineBatch:
     """Timeline events recorded on a rank, already on the driver's clock.
 
@@ -73,4 +88,5 @@ class TimelineStarted:
     path: str
 
 
-Event = RankStarted | RankOutput | RankFinished | RankFailed | TimelineBatch | TimelineStarted
+Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited | TimelineBatch
+         | TimelineStarted)

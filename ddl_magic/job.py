@@ -20,9 +20,9 @@ from typing import Any
 import cloudpickle
 
 from .control import ControlServer
-from .events import (RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch,
-                     TimelineStarted)
-from .launch.local import ProcessExited, describe_exit
+from .events import (ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
+                     TimelineBatch, TimelineStarted)
+from .launch.local import describe_exit
 from .protocol import ABORTED_EXIT_CODE, new_secret
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .ui import make_display
@@ -241,8 +241,10 @@ class _RunWatcher:
                 self._logs[event.rank].write(event.output)
             # A running rank's end is reported by its control connection, in order after its
             # last words; only a rank that never connected is reported here.
-            if rank.status == "starting":
-                self.handle(RankFailed(event.rank, rank.host, event.output,
+            if rank.status == "starting" and event.returncode is None:  # it could not start
+                self.handle(RankFailed(event.rank, event.host, "", event.output))
+            elif rank.status == "starting":
+                self.handle(RankFailed(event.rank, rank.host or event.host, event.output,
                                        describe_exit(event.returncode), event.returncode))
             return
         if isinstance(event, TimelineBatch):

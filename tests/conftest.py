@@ -6,12 +6,22 @@ import sys
 
 import pytest
 
+from spark_sessions import spark_context
+
 pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
 
 
-@pytest.fixture(scope="module")
-def spark():
-    """A local SparkSession with 4 task slots, one per test module (a cold start takes ~5 s)."""
+SPARK_KINDS = ["classic", "connect"]
+
+
+@pytest.fixture(scope="module", params=SPARK_KINDS)
+def spark(request):
+    """A local SparkSession with 4 task slots, one per test module and kind: classic, then
+    Spark Connect (Databricks' shared and serverless compute). A cold start takes ~5 s.
+
+    Both kinds run their JVM in this process (a local Connect server is a classic session
+    with a plugin), so `spark_context()` reaches the one behind either.
+    """
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("Spark needs Java")
     from pyspark.sql import SparkSession
@@ -20,12 +30,18 @@ def spark():
         # Read when the session starts: Spark's Python workers are this Python, on loopback.
         patch.setenv("PYSPARK_PYTHON", sys.executable)
         patch.setenv("SPARK_LOCAL_IP", "127.0.0.1")
-        session = (SparkSession.builder.master("local[4]").appName("ddl_magic tests")
-                   .config("spark.ui.enabled", "false")
+        # A Connect session sets these for the whole process; the next classic one must not see them.
+        for variable in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE",
+                         "SPARK_CONNECT_AUTHENTICATE_TOKEN", "SPARK_REMOTE"):
+            patch.delenv(variable, raising=False)
+        builder = SparkSession.builder.appName("ddl_magic tests")
+        builder = (builder.remote("local[4]") if request.param == "connect"
+                   else builder.master("local[4]"))
+        session = (builder.config("spark.ui.enabled", "false")
                    .config("spark.ui.showConsoleProgress", "false")
                    .config("spark.sql.shuffle.partitions", "4")
                    .getOrCreate())
-        session.sparkContext.setLogLevel("ERROR")
+        spark_context().setLogLevel("ERROR")
         yield session
         session.stop()
 

@@ -8,28 +8,35 @@ import pytest
 from kernel import Kernel
 
 
+SPARK_CLASSIC, SPARK_CONNECT = "Spark barrier tasks", "Spark barrier tasks (Spark Connect)"
 START_SPARK = """
 import os, sys
 os.environ["PYSPARK_PYTHON"] = sys.executable
 from pyspark.sql import SparkSession
-spark = (SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false")
+spark = (SparkSession.builder.{master}.config("spark.ui.enabled", "false")
          .config("spark.sql.shuffle.partitions", "4").getOrCreate())
 """
+# The jobs of either kind of session, from the JVM both run in within the kernel.
+ACTIVE_SPARK_JOBS = ("from pyspark import SparkContext\n"
+                     "SparkContext._active_spark_context.statusTracker().getActiveJobsIds()")
 
 
-@pytest.fixture(scope="module", params=["local processes", "Spark barrier tasks"])
+@pytest.fixture(scope="module", params=["local processes", SPARK_CLASSIC, SPARK_CONNECT])
 def kernel(request, tmp_path_factory):
-    """A notebook kernel; in the second round a SparkSession is active, so cells run on Spark."""
+    """A notebook kernel; in the later rounds a SparkSession is active (classic, then Spark
+    Connect, as Databricks' shared and serverless compute give), so cells run on Spark."""
     # Plain text output: these tests read the ranks' lines from the cell's stream output
     # (the widget view has its own tests).
     kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "SPARK_LOCAL_IP": "127.0.0.1"},
                     cwd=str(tmp_path_factory.mktemp("nb")))
     setup = kernel.run("%load_ext ddl_magic\nimport torch")
     assert setup.error is None, setup.error
-    if request.param == "Spark barrier tasks":
-        started = kernel.run(START_SPARK, timeout=180)
+    if request.param != "local processes":
+        master = 'remote("local[4]")' if request.param == SPARK_CONNECT else 'master("local[4]")'
+        started = kernel.run(START_SPARK.format(master=master), timeout=180)
         assert started.error is None, started.error
     kernel.where = request.param
+    kernel.on_spark = request.param != "local processes"
     yield kernel
     kernel.close()
 
@@ -59,7 +66,8 @@ def test_notebook_names_are_captured_and_rank_0_result_is_the_cell_result(kernel
     assert "[1] rank 1 sees scale=10" in out.stdout
     assert out.result == "30.0"
     assert kernel.run("total").result == "30.0"
-    assert kernel.run("import ddl_magic\nddl_magic.last_run().where").result == repr(kernel.where)
+    where = "Spark barrier tasks" if kernel.on_spark else "local processes"
+    assert kernel.run("import ddl_magic\nddl_magic.last_run().where").result == repr(where)
 
 
 def test_names_the_cell_assigns_stay_on_the_ranks(kernel):
@@ -183,8 +191,8 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     pids = [int(pid) for pid in re.findall(r"READY (\d+)", "".join(seen))]
     assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
     assert pids_alive(pids) == []
-    if kernel.where == "Spark barrier tasks":
-        assert kernel.run("spark.sparkContext.statusTracker().getActiveJobsIds()").result == "[]"
+    if kernel.on_spark:
+        assert kernel.run(ACTIVE_SPARK_JOBS).result == "[]"
     assert kernel.run("%%horovod -np 2 --quiet\n'still works'").result == "'still works'"
 
 
@@ -200,7 +208,7 @@ def test_a_failing_rank_runs_once(kernel, tmp_path):
 
 
 def test_more_ranks_than_spark_slots_is_refused_at_once(kernel):
-    if kernel.where != "Spark barrier tasks":
+    if not kernel.on_spark:
         pytest.skip("local processes have no slot limit")
     out = kernel.run("%%horovod -np 5\n1", timeout=30)
     assert out.error is not None and "np=5 needs 5 Spark task slots" in out.error["evalue"]

@@ -1,4 +1,5 @@
-"""Ranks as Spark barrier tasks, on a real local SparkSession with 4 task slots.
+"""Ranks as Spark barrier tasks, on a real local SparkSession with 4 task slots: every test
+runs on a classic session and again on a Spark Connect one.
 
 Each test runs a whole `Job` through `SparkLauncher`: the barrier stage, the rank processes
 its tasks start, the rendezvous through the driver's control server, and what comes back
@@ -19,6 +20,7 @@ import ddl_magic
 from ddl_magic.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.tasks import FunctionTask
+from spark_sessions import classic_only, no_spark_job_active, spark_context
 
 RUN_TIMEOUT_S = 90
 # Failures must come back as soon as the tasks end, well before the run's start timeout.
@@ -81,10 +83,6 @@ def process_alive(pid: int) -> bool:
     return state != "Z"  # an exited orphan waiting for init to reap it is gone too
 
 
-def no_spark_job_active(spark) -> bool:
-    return not spark.sparkContext.statusTracker().getActiveJobsIds()
-
-
 @pytest.mark.parametrize("np", [2, 4])
 def test_every_rank_allreduces_and_returns_its_value(spark, np):
     run = run_on_spark(allreduce_ranks, np)
@@ -100,7 +98,7 @@ def test_more_ranks_than_task_slots_is_refused_at_once(spark):
         run_on_spark(allreduce_ranks, 5)
     assert time.monotonic() - started < 5
     assert "np=4 or fewer" in str(refused.value)
-    assert no_spark_job_active(spark)
+    assert no_spark_job_active()
 
 
 def test_a_failing_rank_stops_every_rank_and_spark_does_not_run_it_again(spark, tmp_path):
@@ -113,27 +111,51 @@ def test_a_failing_rank_stops_every_rank_and_spark_does_not_run_it_again(spark, 
     assert "append_rank_then_fail_on_rank_1" in error.traceback
     invocations = collections.Counter(log_path.read_text().split())
     assert invocations["1"] == 1 and max(invocations.values()) == 1  # rank 0 may be stopped first
-    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
     rank_pids = [rank.pid for rank in error.run.ranks if rank.pid is not None]
     assert rank_pids and wait_until(lambda: not any(map(process_alive, rank_pids)), timeout_s=10)
 
     assert run_on_spark(allreduce_ranks, 2).results == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+def python_with(venv, *paths) -> str:
+    """A new Python at `venv` that has nothing installed but `paths` on its path."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    site_packages, = venv.glob("lib/python*/site-packages")
+    (site_packages / "test_paths.pth").write_text("".join(f"{path}\n" for path in paths))
+    return str(venv / "bin" / "python")
+
+
+@pytest.fixture(scope="module")
+def only_pyarrow(tmp_path_factory):
+    """A directory holding pyarrow (which Spark's Arrow stages need) and nothing else."""
+    import pyarrow
+
+    directory = tmp_path_factory.mktemp("only-pyarrow")
+    (directory / "pyarrow").symlink_to(os.path.dirname(pyarrow.__file__))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def bare_python(tmp_path_factory):
     """A Python with nothing installed: neither ddl_magic nor its dependencies."""
-    venv = tmp_path_factory.mktemp("bare-venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
-                   timeout=60)
-    return str(venv / "bin" / "python")
+    return python_with(tmp_path_factory.mktemp("bare-venv"))
+
+
+@pytest.fixture(scope="module")
+def python_with_pyarrow_only(tmp_path_factory, only_pyarrow):
+    """A Python with pyarrow, but not ddl_magic."""
+    return python_with(tmp_path_factory.mktemp("pyarrow-venv"), only_pyarrow)
 
 
 @pytest.fixture
 def executors_use(spark, monkeypatch):
     """Run this test's Spark jobs with another Python on the executors, as a cluster might."""
+    classic_only(spark, "a Connect server's executors use the Python it was started with")
+
     def use(python: str) -> None:
-        context = spark.sparkContext
+        context = spark_context()
         monkeypatch.setattr(context, "pythonExec", python)
         # An executor's working directory is no checkout of ddl_magic: don't import from it.
         monkeypatch.setitem(context.environment, "PYTHONSAFEPATH", "1")
@@ -141,30 +163,39 @@ def executors_use(spark, monkeypatch):
     return use
 
 
-def test_an_executor_python_without_ddl_magic_is_named_with_the_fix(spark, bare_python,
-                                                                     executors_use):
-    executors_use(bare_python)
+def test_an_executor_python_without_ddl_magic_is_named_with_the_fix(
+        spark, python_with_pyarrow_only, executors_use):
+    executors_use(python_with_pyarrow_only)
     started = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
         run_on_spark(allreduce_ranks, 2)
     assert time.monotonic() - started < QUICK_FAILURE_S
     assert failure.value.reason == (
-        f"the executors' Python ({bare_python}) cannot import ddl_magic: No module named "
-        "'ddl_magic'. Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python "
-        "that has it")
-    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+        f"the executors' Python ({python_with_pyarrow_only}) cannot import ddl_magic: No "
+        "module named 'ddl_magic'. Install ddl_magic on every executor, or set PYSPARK_PYTHON "
+        "to a Python that has it")
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
+
+
+def test_an_executor_python_without_pyarrow_is_named_with_the_fix(spark, bare_python,
+                                                                  executors_use):
+    executors_use(bare_python)
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(allreduce_ranks, 2)
+    assert time.monotonic() - started < QUICK_FAILURE_S
+    assert failure.value.reason.startswith(
+        "its Spark task failed: ModuleNotFoundError: No module named 'pyarrow'. The executors' "
+        "Python lacks what ddl_magic needs: install ddl_magic on every executor, or set "
+        "PYSPARK_PYTHON")
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
 
 
 def test_a_rank_that_dies_before_it_registers_shows_what_it_printed(spark, executors_use,
-                                                                    tmp_path):
-    # ddl_magic is on this Python's path, but not the packages it needs.
-    with_ddl_magic_only = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(with_ddl_magic_only)],
-                   check=True, timeout=60)
-    site_packages, = with_ddl_magic_only.glob("lib/python*/site-packages")
+                                                                    only_pyarrow, tmp_path):
+    # ddl_magic is on this Python's path, but not the packages it needs (torch, cloudpickle).
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(ddl_magic.__file__)))
-    (site_packages / "ddl_magic_checkout.pth").write_text(checkout + "\n")
-    executors_use(str(with_ddl_magic_only / "bin" / "python"))
+    executors_use(python_with(tmp_path / "venv", checkout, only_pyarrow))
 
     started = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
@@ -183,14 +214,20 @@ def test_a_failed_spark_task_is_reported_as_its_rank_failing(spark, executors_us
     assert failure.value.rank in (0, 1)
     assert failure.value.reason.startswith("its Spark task failed: ")
     assert 'Cannot run program "/nonexistent/python3"' in failure.value.reason
-    assert wait_until(lambda: no_spark_job_active(spark), timeout_s=10)
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
 
 
 def test_without_an_active_session_the_error_says_what_to_do(monkeypatch):
+    from pyspark.errors import PySparkRuntimeError
     from pyspark.sql import SparkSession
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    monkeypatch.setattr(SparkSession, "getActiveSession", classmethod(lambda cls: None))
-    monkeypatch.setattr(SparkSession, "_instantiatedSession", None)
+    def none_active(cls):
+        raise PySparkRuntimeError(errorClass="NO_ACTIVE_OR_DEFAULT_SESSION",
+                                  messageParameters={})
+
+    for kind in (SparkSession, ConnectSession):
+        monkeypatch.setattr(kind, "active", classmethod(none_active))
     with pytest.raises(RuntimeError, match=r"SparkSession.builder.getOrCreate\(\).*--local"):
         SparkLauncher()
 

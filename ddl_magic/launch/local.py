@@ -19,22 +19,10 @@ import sys
 import tempfile
 import threading
 
+from ..events import ProcessExited
 from .rank_factory import FrameReader, write_frame
 
 START_TIMEOUT_S = 60.0
-
-
-class ProcessExited:
-    """A rank's process ended (sent on the event queue; the run loop reads the exit code).
-
-    `output` is what it printed outside the worker's forwarding: an error before it could
-    connect to the driver, typically.
-    """
-
-    def __init__(self, rank: int, returncode: int, output: str = ""):
-        self.rank = rank
-        self.returncode = returncode
-        self.output = output
 
 
 class _RankFactory:

@@ -1,10 +1,14 @@
 """Ranks as Spark barrier tasks: one barrier stage of `np` tasks, each running one rank.
 
 Barrier mode gives gang scheduling (all ranks start together or none does) and
-all-or-nothing failure; everything else is ours. Each task starts the same worker bootstrap
-as a local rank, ``python -m ddl_magic.worker``, as a child process, so the rank is isolated
-from Spark's reused Python worker, and waits for it. Rendezvous goes through the driver's
-control server, not Spark's ``allGather`` (about a second per call).
+all-or-nothing failure; everything else is ours. The stage is the DataFrame API's barrier
+mode (``mapInArrow(..., barrier=True)`` over `np` one-row partitions), which classic
+sessions and Spark Connect sessions (Databricks' shared and serverless compute) both offer;
+only cancelling the job differs between the two (`_ClassicJobs`, `_ConnectJobs`). Each task
+starts the same worker bootstrap as a local rank, ``python -m ddl_magic.worker``, as a child
+process, so the rank is isolated from Spark's reused Python worker, and waits for it.
+Rendezvous goes through the driver's control server, not Spark's ``allGather`` (about a
+second per call).
 
 Three Spark behaviours shape this module:
 
@@ -13,9 +17,10 @@ Three Spark behaviours shape this module:
 - Spark re-runs failed tasks. A task here never raises for a failed rank (the rank reports
   that itself over the control channel), and an attempt after the first returns at once, so
   a failure never starts the training a second time.
-- ``collect()`` returns only when every task has ended, but a rank that dies before it
-  registers would leave the others waiting for it. Each task's end therefore reaches the
-  driver through an accumulator, which Spark merges on the driver as each task finishes.
+- The job returns only when every task has ended, but a rank that dies before it registers
+  would leave the others waiting for it. Each task therefore tells the driver's control
+  server at once when its rank's process ends (`report_rank_exit`); a task that cannot
+  (its Python lacks ddl_magic, the driver is out of reach) says so in the row it returns.
 """
 
 from __future__ import annotations
@@ -29,11 +34,9 @@ import types
 import uuid
 
 from pyspark import InheritableThread
-from pyspark.accumulators import AccumulatorParam, AddingAccumulatorParam
 
-from ..events import RankFailed
+from ..events import ProcessExited, RankFailed
 from . import spark_session
-from .local import ProcessExited
 
 # How many lines of a rank's own stdout/stderr (what it printed before it could report over
 # the control channel, e.g. an import error) come back with its task.
@@ -42,33 +45,38 @@ OUTPUT_TAIL_LINES = 40
 # before the Spark job is cancelled (cancelling kills Spark's Python workers with them).
 STOP_GRACE_S = 2.0
 STOP_TIMEOUT_S = 30.0
+# What each barrier task returns: how its rank's process ended, and whether the driver has
+# already heard so over the control server.
+TASK_RESULT_SCHEMA = ("rank long, host string, returncode long, output string, "
+                      "reported boolean")
 
 
 class SparkLauncher:
     """Starts `np` ranks as one barrier stage on a SparkSession and stops them on request.
 
-    >>> launcher = SparkLauncher()          # the active SparkSession
+    >>> launcher = SparkLauncher()          # the active SparkSession, classic or Connect
     >>> Job(task, 4, launcher, JobOptions()).run()
     """
 
     where = "Spark barrier tasks"
 
     def __init__(self, spark=None):
-        spark = spark if spark is not None else _active_session()
-        self._context = _spark_context(spark)
-        if self._context.master.startswith("local"):
-            # Executors are threads of this JVM: nothing outside this machine needs to connect.
+        self._spark = spark if spark is not None else _active_session()
+        self._jobs = _ConnectJobs(self._spark) if _is_connect(self._spark) else _ClassicJobs(
+            self._spark)
+        if self._conf("spark.master", "").startswith("local"):
+            # Executors are threads of one JVM on this machine: nothing else needs to connect.
             self.bind_host = self.advertised_host = "127.0.0.1"
-        else:
-            self.bind_host = "0.0.0.0"
-            self.advertised_host = self._context.getConf().get("spark.driver.host")
-        self._job_group: str | None = None
+        else:  # the executors reach this process where they reach Spark's driver
+            self.advertised_host = self._conf("spark.driver.host")
+            self.bind_host = self._conf("spark.driver.bindAddress", self.advertised_host)
+        self._job_tag: str | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
     def task_slots(self) -> int:
         """How many tasks the cluster runs at once: its cores over `spark.task.cpus`."""
-        return self._context.defaultParallelism // self._cpus_per_task()
+        return self._jobs.default_parallelism() // self._cpus_per_task()
 
     def check(self, np: int) -> None:
         """Refuse at once a run with more ranks than task slots; Spark would retry for minutes."""
@@ -76,14 +84,13 @@ class SparkLauncher:
         if np > slots:
             raise ValueError(
                 f"np={np} needs {np} Spark task slots at once (barrier tasks start together), "
-                f"but this SparkSession has {slots} ({self._context.defaultParallelism} cores, "
+                f"but this SparkSession has {slots} ({slots * self._cpus_per_task()} cores, "
                 f"spark.task.cpus={self._cpus_per_task()}). Run with np={slots} or fewer, give "
                 "the cluster more executors or cores, or run the ranks as local processes.")
 
     def check_gpus(self, np: int) -> None:
         """GPU ranks need Spark to hand each task a GPU: refuse before launching if it won't."""
-        amount = float(self._context.getConf().get("spark.task.resource.gpu.amount", "0"))
-        if amount <= 0:
+        if float(self._conf("spark.task.resource.gpu.amount", "0")) <= 0:
             raise ValueError(
                 "GPUs were asked for (--gpu / use_gpu=True), but this SparkSession gives its "
                 "tasks no GPUs: create it with spark.task.resource.gpu.amount=1 (and "
@@ -93,26 +100,30 @@ class SparkLauncher:
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
               events: queue.Queue) -> None:
         """Submit the barrier stage from a background thread and return at once."""
-        context = self._context
-        self._job_group = f"ddl_magic-{uuid.uuid4().hex[:12]}"
+        self._job_tag = f"ddl_magic-{uuid.uuid4().hex[:12]}"
         self._stopping.clear()
-        on_report = functools.partial(_report_rank_end, events)
-        reports = context.accumulator([], _RankEndReports(on_report))
-        task = functools.partial(_by_value(_run_rank_task), control_address, secret, reports,
+        task = functools.partial(_by_value(_run_rank_task), control_address, secret,
                                  OUTPUT_TAIL_LINES)
+        stage = self._spark.range(0, np, 1, np).mapInArrow(task, TASK_RESULT_SCHEMA,
+                                                           barrier=True)
 
         def run_stage() -> None:
-            # pyspark pins each Python thread to a JVM thread: the job group is this thread's.
-            context.setJobGroup(self._job_group, f"ddl_magic: {np} ranks", interruptOnCancel=True)
+            self._jobs.tag_this_thread(self._job_tag, f"ddl_magic: {np} ranks")
             try:
-                context.parallelize(range(np), np).barrier().mapPartitions(task).collect()
+                ended = stage.collect()
             except Exception as exc:  # whatever ended the job, the run must hear of it
                 if not self._stopping.is_set():
                     rank, reason, details = _describe_spark_error(exc)
                     events.put(RankFailed(rank, "", details, reason))
+                return
+            for task_end in ended:  # what the control server has not heard already
+                if not task_end.reported:
+                    events.put(ProcessExited(task_end.rank, task_end.returncode,
+                                             task_end.output, task_end.host))
 
         # An InheritableThread keeps what the calling thread set, e.g. its scheduler pool.
-        self._thread = InheritableThread(target=run_stage, name="ddl-spark-stage", daemon=True)
+        self._thread = InheritableThread(target=run_stage, session=self._spark,
+                                         name="ddl-spark-stage", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -122,12 +133,57 @@ class SparkLauncher:
         self._stopping.set()
         self._thread.join(timeout=STOP_GRACE_S)
         if self._thread.is_alive():
-            self._context.cancelJobGroup(self._job_group)
+            self._jobs.cancel(self._job_tag)
             self._thread.join(timeout=STOP_TIMEOUT_S)
         self._thread = None
 
+    def _conf(self, key: str, default: str | None = None) -> str | None:
+        return self._spark.conf.get(key, default)
+
     def _cpus_per_task(self) -> int:
-        return int(self._context.getConf().get("spark.task.cpus", "1"))
+        return int(self._conf("spark.task.cpus", "1"))
+
+
+class _ClassicJobs:
+    """A classic session's jobs: counted and cancelled through its SparkContext."""
+
+    def __init__(self, spark):
+        self._context = spark.sparkContext
+
+    def default_parallelism(self) -> int:
+        return self._context.defaultParallelism
+
+    def tag_this_thread(self, tag: str, description: str) -> None:
+        # pyspark pins each Python thread to a JVM thread: the job group is this thread's.
+        self._context.setJobGroup(tag, description, interruptOnCancel=True)
+
+    def cancel(self, tag: str) -> None:
+        self._context.cancelJobGroup(tag)
+
+
+class _ConnectJobs:
+    """A Spark Connect session's jobs: no SparkContext, so counted by a query, cancelled by tag."""
+
+    def __init__(self, spark):
+        self._spark = spark
+
+    def default_parallelism(self) -> int:
+        # `range` without a partition count splits into the default parallelism, the number
+        # the classic session reads from its SparkContext. A JVM-only query: no Python worker.
+        from pyspark.sql import functions
+
+        partitions = self._spark.range(1 << 16).select(functions.spark_partition_id().alias("p"))
+        return partitions.agg(functions.max("p")).first()[0] + 1
+
+    def tag_this_thread(self, tag: str, description: str) -> None:
+        self._spark.addTag(tag)  # a Connect session's tags are per thread, as job groups are
+
+    def cancel(self, tag: str) -> None:
+        self._spark.interruptTag(tag)
+
+
+def _is_connect(spark) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def _active_session():
@@ -138,25 +194,6 @@ def _active_session():
             "Create one first (SparkSession.builder.getOrCreate()), or run the ranks as local "
             "processes (%%horovod --local, HorovodRunner(np=-N)).")
     return session
-
-
-def _spark_context(spark):
-    try:
-        return spark.sparkContext
-    except AttributeError as exc:  # a Spark Connect session has no SparkContext
-        raise RuntimeError(
-            f"this SparkSession cannot run barrier tasks ({exc}). "
-            "ddl_magic needs a classic SparkSession (not Spark Connect), or run the ranks as "
-            "local processes (%%horovod --local, HorovodRunner(np=-N)).") from None
-
-
-def _report_rank_end(events: queue.Queue, rank: int, host: str, returncode: int | None,
-                     output: str) -> None:
-    """Put on `events` what a local rank's end puts there (`output`: what it printed itself)."""
-    if returncode is None:  # the rank never started; `output` says why
-        events.put(RankFailed(rank, host, "", output))
-    else:
-        events.put(ProcessExited(rank, returncode, output))
 
 
 def _describe_spark_error(exc: Exception) -> tuple[int, str, str]:
@@ -173,30 +210,12 @@ def _describe_spark_error(exc: Exception) -> tuple[int, str, str]:
         cause = lines[1]  # under "Stage failed because barrier task ... finished unsuccessfully."
     else:
         cause = lines[0]
+    if cause.startswith("ModuleNotFoundError"):  # e.g. pyarrow, which the stage itself needs
+        cause += (". The executors' Python lacks what ddl_magic needs: install ddl_magic on "
+                  "every executor, or set PYSPARK_PYTHON to a Python that has it")
     if failed_task:
         return int(failed_task.group(1)), f"its Spark task failed: {cause}", "\n".join(lines) + "\n"
     return 0, f"the Spark job failed: {cause}", "\n".join(lines) + "\n"
-
-
-class _RankEndReports(AccumulatorParam):
-    """The accumulator param on the driver: each task's report goes to `on_report` at once.
-
-    On the executors it is pyspark's own list-adding param, so they need nothing of ours.
-    """
-
-    def __init__(self, on_report):
-        self._on_report = on_report
-
-    def zero(self, value: list) -> list:
-        return []
-
-    def addInPlace(self, reports: list, new: list) -> list:
-        for report in new:
-            self._on_report(*report)
-        return reports + new
-
-    def __reduce__(self):
-        return AddingAccumulatorParam, ([],)
 
 
 def _by_value(function: types.FunctionType) -> types.FunctionType:
@@ -208,11 +227,12 @@ def _by_value(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
-def _run_rank_task(control_address, secret, reports, tail_lines, partition):
+def _run_rank_task(control_address, secret, tail_lines, batches):
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
 
-    Reports ``(rank, host, returncode, output tail)`` through `reports` (returncode None when
-    the rank could not start) and returns nothing. Never raises for a failed rank.
+    Tells the driver how the rank's process ended (returncode None: it could not start, and
+    the output says why), and returns that as one row of `TASK_RESULT_SCHEMA`. Never raises
+    for a failed rank.
     """
     import collections
     import importlib.util
@@ -221,44 +241,60 @@ def _run_rank_task(control_address, secret, reports, tail_lines, partition):
     import subprocess
     import sys
 
+    import pyarrow
     from pyspark import BarrierTaskContext
 
+    for _ in batches:
+        pass  # one row per rank, holding nothing: the rank is the partition's number
     task = BarrierTaskContext.get()
     rank = task.partitionId()
     if task.attemptNumber() > 0:
-        return []  # Spark retried the task after a failure: a rank never runs twice
+        return  # Spark retried the task after a failure: a rank never runs twice
     host = socket.gethostname()
 
-    def finish(returncode, output):
-        reports.add([(rank, host, returncode, output)])
-        return []
-
-    try:
-        if importlib.util.find_spec("ddl_magic") is None:
-            raise ModuleNotFoundError("No module named 'ddl_magic'")
-    except (ImportError, ValueError) as exc:
-        return finish(None, (
-            f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. Install "
-            "ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it"))
-
-    read_end, write_end = os.pipe()
-    env = dict(os.environ, DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
-               DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end), PYTHONUNBUFFERED="1")
-    gpus = task.resources().get("gpu")
-    if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
-    with os.fdopen(write_end, "wb") as pipe:
+    def run_rank():
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "ddl_magic.worker"], env=env, pass_fds=(read_end,),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        except OSError as exc:
-            return finish(None, f"cannot start {sys.executable} on {host}: {exc}")
-        finally:
-            os.close(read_end)
-        pipe.write(secret)
-    # The rank forwards its output over the control channel once registered; what arrives
-    # here is what it printed before that (e.g. why it could not connect) or after.
-    tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
-                             maxlen=tail_lines)
-    return finish(process.wait(), "".join(tail))
+            if importlib.util.find_spec("ddl_magic") is None:
+                raise ModuleNotFoundError("No module named 'ddl_magic'")
+        except (ImportError, ValueError) as exc:
+            return None, (
+                f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
+                "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that "
+                "has it")
+        read_end, write_end = os.pipe()
+        env = dict(os.environ, DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
+                   DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
+                   PYTHONUNBUFFERED="1")
+        gpus = task.resources().get("gpu")
+        if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
+        with os.fdopen(write_end, "wb") as pipe:
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "ddl_magic.worker"], env=env, pass_fds=(read_end,),
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            except OSError as exc:
+                return None, f"cannot start {sys.executable} on {host}: {exc}"
+            finally:
+                os.close(read_end)
+            pipe.write(secret)
+        # The rank forwards its output over the control channel once registered; what arrives
+        # here is what it printed before that (e.g. why it could not connect) or after.
+        tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
+                                 maxlen=tail_lines)
+        return process.wait(), "".join(tail)
+
+    returncode, output = run_rank()
+    try:
+        from ddl_magic.control import report_rank_exit
+
+        report_rank_exit(control_address, secret, rank, host, returncode, output)
+        reported = True
+    except (ImportError, OSError):  # the row below is the driver's only word of it
+        reported = False
+    columns = pyarrow.schema([("rank", pyarrow.int64()), ("host", pyarrow.string()),  # as
+                              ("returncode", pyarrow.int64()), ("output", pyarrow.string()),
+                              ("reported", pyarrow.bool_())])  # TASK_RESULT_SCHEMA
+    yield pyarrow.RecordBatch.from_pylist([{
+        "rank": rank, "host": host, "returncode": returncode, "output": output,
+        "reported": reported}], schema=columns)
