@@ -2,7 +2,8 @@
 
 Training ends on rank 0 with a checkpoint; scoring a big table is the next step, and Spark
 does it without the ring: each task loads the model once and pushes its partition through
-it in batches (``mapInPandas``, so rows travel between the JVM and Python as Arrow batches).
+it in batches (an iterator ``pandas_udf``: only the feature columns travel between the JVM
+and Python, as Arrow batches).
 
     from ddl_magic.spark_inference import predict_batches
 
@@ -102,24 +103,31 @@ def predict_batches(
                          "choose another output_col")
     if batch_rows < 1:
         raise ValueError(f"batch_rows must be at least 1, got {batch_rows}")
-    from pyspark.sql.types import StructType
+    import pandas as pd
+    from pyspark.sql import functions
 
-    schema = StructType(list(df.schema.fields)).add(output_col, output_type)
-
-    def predict_partition(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
+    def predict_column(batches: Iterator[pd.DataFrame]) -> Iterator[pd.Series]:
         model = None
         for frame in batches:
+            predictions = []
             for start in range(0, len(frame), batch_rows):
                 rows = frame.iloc[start:start + batch_rows]
                 if model is None:  # a task whose partition is empty never loads the model
                     model = load_model()
-                predictions = np.asarray(predict(model, _feature_matrix(rows, feature_cols)))
-                if len(predictions) != len(rows):
-                    raise ValueError(f"predict returned {len(predictions)} values for a batch "
-                                     f"of {len(rows)} rows; it must return one per row")
-                yield rows.assign(**{output_col: predictions})
+                batch = np.asarray(predict(model, _feature_matrix(rows, feature_cols)))
+                if len(batch) != len(rows):
+                    raise ValueError(f"predict returned {len(batch)} values for a batch of "
+                                     f"{len(rows)} rows; it must return one per row")
+                predictions.append(batch)
+            yield pd.Series(np.concatenate(predictions) if predictions else [])
 
-    return df.mapInPandas(predict_partition, schema)
+    # Real types, not this module's postponed strings: pyspark reads the UDF's kind from them.
+    predict_column.__annotations__ = {"batches": Iterator[pd.DataFrame],
+                                      "return": Iterator[pd.Series]}
+    # Only the feature columns travel to Python (as one struct: a DataFrame per batch); the
+    # others stay in the JVM, whatever their types.
+    features = functions.struct(*[df[name] for name in feature_cols])
+    return df.withColumn(output_col, functions.pandas_udf(predict_column, output_type)(features))
 
 
 def _feature_matrix(rows: pd.DataFrame, feature_cols: list[str]) -> np.ndarray:

@@ -60,8 +60,13 @@ class SparkLauncher:
 
     where = "Spark barrier tasks"
 
-    def __init__(self, spark=None):
-        self._spark = spark if spark is not None else _active_session()
+    def __init__(self, spark=None, data=None):
+        """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned
+        into one partition per rank, and each rank reads its partition with `read_shard`."""
+        self._data = data
+        if spark is None:
+            spark = data.sparkSession if data is not None else _active_session()
+        self._spark = spark
         self._jobs = _ConnectJobs(self._spark) if _is_connect(self._spark) else _ClassicJobs(
             self._spark)
         if self._conf("spark.master", "").startswith("local"):
@@ -103,9 +108,10 @@ class SparkLauncher:
         self._job_tag = f"ddl_magic-{uuid.uuid4().hex[:12]}"
         self._stopping.clear()
         task = functools.partial(_by_value(_run_rank_task), control_address, secret,
-                                 OUTPUT_TAIL_LINES)
-        stage = self._spark.range(0, np, 1, np).mapInArrow(task, TASK_RESULT_SCHEMA,
-                                                           barrier=True)
+                                 OUTPUT_TAIL_LINES, self._data is not None)
+        partitions = (self._spark.range(0, np, 1, np) if self._data is None
+                      else self._data.repartition(np))  # round robin: sizes differ by one at most
+        stage = partitions.mapInArrow(task, TASK_RESULT_SCHEMA, barrier=True)
 
         def run_stage() -> None:
             self._jobs.tag_this_thread(self._job_tag, f"ddl_magic: {np} ranks")
@@ -227,12 +233,13 @@ def _by_value(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
-def _run_rank_task(control_address, secret, tail_lines, batches):
+def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches):
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
 
-    Tells the driver how the rank's process ended (returncode None: it could not start, and
-    the output says why), and returns that as one row of `TASK_RESULT_SCHEMA`. Never raises
-    for a failed rank.
+    With `hand_over_rows`, the partition's rows are the rank's share of the data it trains
+    on (`ddl_magic.shards`). Tells the driver how the rank's process ended (returncode None:
+    it could not start, and the output says why), and returns that as one row of
+    `TASK_RESULT_SCHEMA`. Never raises for a failed rank.
     """
     import collections
     import importlib.util
@@ -244,25 +251,15 @@ def _run_rank_task(control_address, secret, tail_lines, batches):
     import pyarrow
     from pyspark import BarrierTaskContext
 
-    for _ in batches:
-        pass  # one row per rank, holding nothing: the rank is the partition's number
     task = BarrierTaskContext.get()
     rank = task.partitionId()
     if task.attemptNumber() > 0:
         return  # Spark retried the task after a failure: a rank never runs twice
     host = socket.gethostname()
 
-    def run_rank():
-        try:
-            if importlib.util.find_spec("ddl_magic") is None:
-                raise ModuleNotFoundError("No module named 'ddl_magic'")
-        except (ImportError, ValueError) as exc:
-            return None, (
-                f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
-                "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that "
-                "has it")
+    def run_rank(env):
         read_end, write_end = os.pipe()
-        env = dict(os.environ, DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
+        env.update(DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
                    DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
                    PYTHONUNBUFFERED="1")
         gpus = task.resources().get("gpu")
@@ -284,7 +281,24 @@ def _run_rank_task(control_address, secret, tail_lines, batches):
                                  maxlen=tail_lines)
         return process.wait(), "".join(tail)
 
-    returncode, output = run_rank()
+    try:
+        if importlib.util.find_spec("ddl_magic") is None:
+            raise ModuleNotFoundError("No module named 'ddl_magic'")
+    except (ImportError, ValueError) as exc:
+        returncode, output = None, (
+            f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
+            "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
+    else:
+        if hand_over_rows:
+            from ddl_magic.shards import SHARD_VARIABLE, remove_shard, write_shard
+
+            shard = write_shard(batches)
+            try:
+                returncode, output = run_rank(dict(os.environ, **{SHARD_VARIABLE: shard}))
+            finally:
+                remove_shard(shard)
+        else:
+            returncode, output = run_rank(dict(os.environ))
     try:
         from ddl_magic.control import report_rank_exit
 
