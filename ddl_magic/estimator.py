@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import cloudpickle
 from pyspark import keyword_only
@@ -113,14 +113,17 @@ class TorchEstimator(Estimator, _TorchParams):
     use_gpu = _param("use_gpu", "train on one GPU per rank", TypeConverters.toBoolean)
     random_seed = _param("random_seed", "seeds shuffling and torch on every rank",
                          TypeConverters.toInt)
+    verbose = _param("verbose", "1: rank 0 prints a line per epoch; 0: quiet",
+                     TypeConverters.toInt)
 
     @keyword_only
     def __init__(self, *, model=None, optimizer=None, loss=None, feature_cols=None,
                  label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                  shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
-                 use_gpu=False, random_seed=0, prediction_col="prediction"):
+                 use_gpu=False, random_seed=0, verbose=1, prediction_col="prediction"):
         super().__init__()
         self._setDefault(batch_size=32, epochs=1, shuffle=True, use_gpu=False, random_seed=0,
+                         verbose=1,
                          prediction_col="prediction", checkpoint_dir=DEFAULT_CHECKPOINT_ROOT,
                          metrics=[], callbacks=[])
         self.setParams(**self._input_kwargs)
@@ -129,7 +132,7 @@ class TorchEstimator(Estimator, _TorchParams):
     def setParams(self, *, model=None, optimizer=None, loss=None, feature_cols=None,
                   label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                   shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
-                  use_gpu=False, random_seed=0, prediction_col="prediction"):
+                  use_gpu=False, random_seed=0, verbose=1, prediction_col="prediction"):
         return self._set(**{name: value for name, value in self._input_kwargs.items()
                             if value is not None})
 
@@ -199,7 +202,7 @@ class TorchEstimator(Estimator, _TorchParams):
             validation_col=validation_col, metrics=self._metrics(),
             callbacks=list(self.getOrDefault(self.callbacks)), checkpoint_dir=checkpoint_dir,
             resume=_last_checkpoint(checkpoint_dir) if run_id else None,
-            use_gpu=self.getOrDefault(self.use_gpu))
+            use_gpu=self.getOrDefault(self.use_gpu), verbose=self.getOrDefault(self.verbose))
         return plan, columns
 
     def _required(self, param: Param, name: str, example: str):

@@ -44,6 +44,7 @@ class TrainingPlan:
     checkpoint_dir: str | None = None  # this run's folder: last.pt, best.pt
     resume: dict | None = None  # the checkpoint a fit with the same run_id left
     use_gpu: bool = False
+    verbose: int = 1  # 1: rank 0 prints a line per epoch
 
 
 def train_on_shard(plan: TrainingPlan) -> dict | None:
@@ -73,7 +74,7 @@ def train_on_shard(plan: TrainingPlan) -> dict | None:
 
     steps = int(hvd.allreduce(torch.tensor(len(training_rows) // plan.batch_size),
                               op=hvd.Min, name="estimator.steps_per_epoch"))
-    if hvd.rank() == 0:
+    if hvd.rank() == 0 and plan.verbose:
         print(f"{hvd.size()} ranks, {steps} steps of {plan.batch_size} rows per rank per epoch",
               flush=True)
     best = min((row.get("val_loss", row["loss"]) for row in history), default=float("inf"))
@@ -97,7 +98,8 @@ def train_on_shard(plan: TrainingPlan) -> dict | None:
             row.update(_validate(model, features, labels, validation_rows, plan, device, hvd))
         history.append(row)
         if hvd.rank() == 0:
-            print(_epoch_line(row), flush=True)
+            if plan.verbose:
+                print(_epoch_line(row), flush=True)
             score = row.get("val_loss", row["loss"])
             _save_checkpoints(plan, model, optimizer, epoch, history, is_best=score < best)
             best = min(best, score)

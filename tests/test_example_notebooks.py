@@ -65,13 +65,19 @@ def test_01_iris_spark_mlp_and_torch_on_two_ranks_both_learn():
 import ddl_magic
 run = ddl_magic.last_run()
 {"spark": spark_accuracy, "torch": torch_accuracy, "shards": shard_sizes,
- "checkpoint": os.path.exists(CHECKPOINT), "run": [run.status, run.np, run.where]}
+ "checkpoint": os.path.exists(CHECKPOINT), "run": [run.status, run.np, run.where],
+ "pipelines": pipeline_accuracy, "epochs": len(history)}
 """)
     assert report["spark"] >= 0.9
     assert report["torch"] >= 0.9
+    # Part 4: the seed lecture's pipeline, TorchEstimator beside Spark ML's perceptron.
+    assert report["pipelines"]["VectorAssembler → TorchEstimator (2 ranks)"] >= 0.9
+    assert report["pipelines"]["VectorAssembler → MultilayerPerceptronClassifier"] >= 0.9
+    assert report["epochs"] == 150
+    assert report["run"][2] == "Spark barrier tasks"  # the estimator's run was the last
     assert report["shards"] == [53, 52]  # rank 0's copy of every rank's shard size
     assert report["checkpoint"]
-    assert report["run"][:2] == ["done", 2] and "spark" not in report["run"][2].lower()
+    assert report["run"][:2] == ["done", 2]
     text = printed_text(notebook)
     assert f"Spark MLP accuracy: {report['spark']:.3f}" in text
     assert f"torch MLP (2 ranks) accuracy: {report['torch']:.3f}" in text

@@ -196,6 +196,40 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     assert kernel.run("%%horovod -np 2 --quiet\n'still works'").result == "'still works'"
 
 
+def test_interrupt_stops_a_torch_estimator_fit(kernel):
+    if not kernel.on_spark:
+        pytest.skip("TorchEstimator trains on a Spark DataFrame")
+    defined = kernel.run(
+        "import os, time\n"
+        "from pyspark.sql import functions\n"
+        "from ddl_magic.estimator import TorchEstimator\n"
+        "class StuckLoss(torch.nn.CrossEntropyLoss):\n"
+        "    def forward(self, outputs, labels):\n"
+        "        print('READY', os.getpid(), flush=True)\n"
+        "        while True:\n"
+        "            time.sleep(0.05)\n"
+        "net = torch.nn.Linear(1, 2)\n"
+        "rows = spark.range(0, 64, 1, 2).select(functions.col('id').cast('float').alias('x'),\n"
+        "                                       (functions.col('id') % 2).alias('label'))\n"
+        "estimator = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),\n"
+        "                           loss=StuckLoss(), feature_cols=['x'], label_cols=['label'],\n"
+        "                           batch_size=8, num_proc=2)")
+    assert defined.error is None, defined.error
+    seen, interrupted = [], []
+
+    def on_output(text):
+        seen.append(text)
+        if len(re.findall(r"READY (\d+)", "".join(seen))) == 2 and not interrupted:
+            interrupted.append(True)
+            kernel.interrupt()
+
+    out = kernel.run("estimator.fit(rows)", timeout=120, on_output=on_output)
+    pids = [int(pid) for pid in re.findall(r"READY (\d+)", "".join(seen))]
+    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
+    assert len(pids) == 2 and pids_alive(pids) == []
+    assert kernel.run(ACTIVE_SPARK_JOBS).result == "[]"
+
+
 def test_a_failing_rank_runs_once(kernel, tmp_path):
     marker = tmp_path / "runs.txt"
     out = kernel.run("%%horovod -np 2 --quiet\n"

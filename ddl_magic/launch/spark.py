@@ -257,9 +257,10 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches)
         return  # Spark retried the task after a failure: a rank never runs twice
     host = socket.gethostname()
 
-    def run_rank(env):
+    def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
         read_end, write_end = os.pipe()
-        env.update(DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
+        env = dict(os.environ, **(extra_env or {}),
+                   DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
                    DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
                    PYTHONUNBUFFERED="1")
         gpus = task.resources().get("gpu")
@@ -268,13 +269,17 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches)
         with os.fdopen(write_end, "wb") as pipe:
             try:
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "ddl_magic.worker"], env=env, pass_fds=(read_end,),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                    [sys.executable, "-m", "ddl_magic.worker"], env=env,
+                    pass_fds=(read_end, *extra_fds), stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             except OSError as exc:
                 return None, f"cannot start {sys.executable} on {host}: {exc}"
             finally:
-                os.close(read_end)
+                for fd in (read_end, *extra_fds):
+                    os.close(fd)
             pipe.write(secret)
+        if while_it_starts is not None:
+            while_it_starts()
         # The rank forwards its output over the control channel once registered; what arrives
         # here is what it printed before that (e.g. why it could not connect) or after.
         tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
@@ -289,16 +294,20 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches)
             f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
             "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
     else:
-        if hand_over_rows:
-            from ddl_magic.shards import SHARD_VARIABLE, remove_shard, write_shard
+        if hand_over_rows:  # written while the rank starts; it waits for the word on a pipe
+            from ddl_magic import shards
 
-            shard = write_shard(batches)
+            shard = shards.new_shard_path()
+            ready_read, ready_write = os.pipe()
             try:
-                returncode, output = run_rank(dict(os.environ, **{SHARD_VARIABLE: shard}))
+                returncode, output = run_rank(
+                    {shards.SHARD_VARIABLE: shard, shards.READY_FD_VARIABLE: str(ready_read)},
+                    (ready_read,), lambda: shards.write_shard(batches, shard, ready_write))
             finally:
-                remove_shard(shard)
+                os.close(ready_write)
+                shards.remove_shard(shard)
         else:
-            returncode, output = run_rank(dict(os.environ))
+            returncode, output = run_rank()
     try:
         from ddl_magic.control import report_rank_exit
 

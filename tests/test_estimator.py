@@ -1,0 +1,260 @@
+"""`TorchEstimator` / `TorchModel` on a real local SparkSession, classic and Spark Connect.
+
+Each fit is a real run: a barrier stage over the DataFrame, ranks training on the rows their
+tasks hand them. A model that notes the rows it trains on (`RowNotingNet`) lets the tests
+check which rows each epoch saw.
+"""
+
+import glob
+import os
+import sys
+import tempfile
+import threading
+
+import cloudpickle
+import pytest
+import torch
+
+pytest.importorskip("pyspark")
+from pyspark.ml import Pipeline
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.feature import VectorAssembler
+from pyspark.sql import functions
+
+from ddl_magic.datasets import IRIS_FEATURES, load_iris
+from ddl_magic.estimator import TorchEstimator, TorchModel
+from ddl_magic.job import RankFailedError
+from spark_sessions import no_spark_job_active
+
+
+@pytest.fixture(scope="module", autouse=True)
+def functions_travel_by_value():
+    """The executors cannot import this file: send its classes as a notebook's are sent."""
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    yield
+    cloudpickle.unregister_pickle_by_value(module)
+
+
+class RowNotingNet(torch.nn.Module):
+    """Scores two classes from every feature but the first, a row id: in training mode each
+    forward pass appends the ids it was given to `notes_dir/<pid>.txt`."""
+
+    def __init__(self, notes_dir: str, features: int):
+        super().__init__()
+        self.notes_dir = notes_dir
+        self.linear = torch.nn.Linear(features - 1, 2)
+
+    def forward(self, x):
+        if self.training:
+            with open(os.path.join(self.notes_dir, f"{os.getpid()}.txt"), "a") as notes:
+                notes.write("".join(f"{int(row_id)}\n" for row_id in x[:, 0]))
+        return self.linear(x[:, 1:])
+
+
+def shards_left() -> list[str]:
+    """Shards the tasks left on disk (under Spark's local directories or the temporary one)."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-shard-*", "*"),
+                     recursive=True)
+
+
+def rows_trained_on(notes_dir) -> list[int]:
+    return [int(line) for path in sorted(notes_dir.glob("*.txt"))
+            for line in path.read_text().split()]
+
+
+def noting_estimator(notes_dir, features=2, **params):
+    torch.manual_seed(0)
+    model = RowNotingNet(str(notes_dir), features)
+    defaults = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    loss=torch.nn.CrossEntropyLoss(), feature_cols=["id_feature", "x"],
+                    label_cols=["label"], batch_size=10, epochs=1, num_proc=2)
+    return TorchEstimator(**{**defaults, **params})
+
+
+def numbered_rows(spark, rows, partitions):
+    """`rows` rows: a row id (as a feature too), a number and a 0/1 label."""
+    return (spark.range(0, rows, 1, partitions)
+            .select("id", functions.col("id").cast("float").alias("id_feature"),
+                    (functions.col("id") % 7).cast("double").alias("x"),
+                    (functions.col("id") % 2).alias("label")))
+
+
+def test_a_pipeline_with_vector_assembler_trains_iris_as_well_as_spark_mls_mlp(spark):
+    iris = spark.createDataFrame(load_iris().drop(columns=["species"]))
+    train, test = iris.randomSplit([0.7, 0.3], seed=1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4),
+                              torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    estimator = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.02),
+                               loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"],
+                               label_cols=["label"], batch_size=8, epochs=60, num_proc=2,
+                               validation=0.2, metrics=["accuracy"])
+    assembler = VectorAssembler(inputCols=list(IRIS_FEATURES), outputCol="features")
+    fitted = Pipeline(stages=[assembler, estimator]).fit(train)
+
+    scored = fitted.transform(test)
+    assert set(scored.columns) == {*test.columns, "features", "prediction"}
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(scored)
+    assert accuracy >= 0.9
+    history = fitted.stages[-1].history
+    assert [row["epoch"] for row in history] == list(range(60))
+    assert set(history[-1]) == {"epoch", "loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_predictions_are_the_trained_modules_on_array_and_scalar_columns(spark, tmp_path):
+    df = (numbered_rows(spark, 60, 3)
+          .withColumn("pair", functions.array(functions.col("x"), functions.col("x") * 2)))
+    estimator = noting_estimator(tmp_path, features=4,
+                                 feature_cols=["id_feature", "pair", "x"], epochs=2)
+    model = estimator.fit(df)
+    module = model.getModel()
+    assert isinstance(module, RowNotingNet)
+
+    rows = model.transform(df).orderBy("id").collect()
+    inputs = torch.tensor([[row.id_feature, *row.pair, row.x] for row in rows])
+    module.eval()
+    expected = module(inputs).argmax(dim=-1).double().tolist()
+    assert [row.prediction for row in rows] == expected
+    assert model.transform(df).schema["prediction"].dataType.simpleString() == "double"
+
+
+@pytest.mark.parametrize("num_proc", [2, 3])
+def test_each_epoch_sees_every_row_once_however_uneven_the_partitions(spark, tmp_path, num_proc):
+    # 8 partitions of 125 rows; the filter empties five and leaves two partial.
+    df = numbered_rows(spark, 1000, 8).where("id < 300 or id >= 900")
+    estimator = noting_estimator(tmp_path, num_proc=num_proc, batch_size=16)
+    estimator.fit(df)
+    seen = rows_trained_on(tmp_path)
+    assert len(seen) == len(set(seen)), "a row was trained on twice in one epoch"
+    assert set(seen) <= set(range(300)) | set(range(900, 1000))
+    # Every rank takes the same number of full batches: at most a batch and a row per rank
+    # (the round robin split differs by one row) is left out.
+    assert 400 - num_proc * 17 < len(seen) <= 400
+    assert len(seen) % (num_proc * 16) == 0
+    assert shards_left() == []
+
+
+def test_a_validation_column_holds_rows_out_of_training(spark, tmp_path):
+    df = numbered_rows(spark, 200, 4).withColumn("held_out", functions.col("id") >= 150)
+    model = noting_estimator(tmp_path, validation="held_out", metrics=["accuracy"]).fit(df)
+    assert max(rows_trained_on(tmp_path)) < 150
+    assert {"val_loss", "val_accuracy"} <= set(model.history[0])
+
+
+def test_a_fraction_holds_out_that_share_of_the_rows(spark, tmp_path):
+    df = numbered_rows(spark, 400, 4)
+    model = noting_estimator(tmp_path, validation=0.25, batch_size=5).fit(df)
+    assert len(rows_trained_on(tmp_path)) == 300
+    assert "val_loss" in model.history[0]
+
+
+def test_save_and_load_give_the_same_predictions_and_history(spark, tmp_path):
+    df = numbered_rows(spark, 60, 2)
+    model = noting_estimator(tmp_path, epochs=2).fit(df)
+    path = str(tmp_path / "saved")
+    model.save(path)
+    with pytest.raises(FileExistsError, match=r"overwrite\(\)"):
+        model.save(path)
+    model.write().overwrite().save(path)
+    loaded = TorchModel.load(path)
+
+    assert loaded.uid == model.uid and loaded.history == model.history
+    assert loaded.getFeatureCols() == ["id_feature", "x"]
+    predictions = [row.prediction for row in model.transform(df).orderBy("id").collect()]
+    assert [row.prediction for row in loaded.transform(df).orderBy("id").collect()] == predictions
+
+
+def test_a_second_fit_with_the_same_run_id_resumes_after_the_last_epoch(spark, tmp_path):
+    df = numbered_rows(spark, 40, 2)
+    notes, checkpoints = tmp_path / "notes", str(tmp_path / "checkpoints")
+    notes.mkdir()
+    first = noting_estimator(notes, epochs=2, run_id="resumed", checkpoint_dir=checkpoints,
+                             shuffle=False).fit(df)
+    assert sorted(os.listdir(os.path.join(checkpoints, "resumed"))) == ["best.pt", "last.pt"]
+    trained_per_epoch = len(rows_trained_on(notes)) // 2
+
+    second = noting_estimator(notes, epochs=3, run_id="resumed", checkpoint_dir=checkpoints,
+                              shuffle=False).fit(df)
+    assert len(rows_trained_on(notes)) == 3 * trained_per_epoch  # one more epoch, not three
+    assert second.history[:2] == first.history
+    assert [row["epoch"] for row in second.history] == [0, 1, 2]
+
+
+def test_a_rank_that_raises_mid_epoch_fails_the_fit_with_its_traceback(spark, tmp_path):
+    def fails_on_rank_1(epoch, metrics, model):
+        raise AssertionError("never called: rank 1 fails first")
+
+    class FailingLoss(torch.nn.CrossEntropyLoss):
+        def forward(self, outputs, labels):
+            import ddl_magic.torch as hvd
+
+            if hvd.rank() == 1:
+                raise RuntimeError("loss exploded on purpose")
+            return super().forward(outputs, labels)
+
+    estimator = noting_estimator(tmp_path, loss=FailingLoss(), callbacks=[fails_on_rank_1])
+    with pytest.raises(RankFailedError) as failure:
+        estimator.fit(numbered_rows(spark, 60, 2))
+    assert failure.value.rank == 1
+    assert "RuntimeError: loss exploded on purpose" in failure.value.traceback
+    assert no_spark_job_active()
+    assert shards_left() == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"feature_cols": ["id_feature", "missing"]}, r"columns \['missing'\] are not in the DataFrame"),
+    ({"feature_cols": ["id_feature", "word"]}, r"column 'word' is string: .*VectorAssembler"),
+    ({"label_cols": ["big_label"]}, r"holds values from 0 to 9, but the loss needs class "
+                                    r"indices 0..1 \(the model scores 2 classes\)"),
+    ({"feature_cols": ["id_feature", "sometimes_null"]}, r"\['sometimes_null'\] have nulls"),
+    ({"feature_cols": ["id_feature", "ragged"], "model": RowNotingNet("/tmp", 3)},
+     "holds arrays of 1 to 2 values"),
+    ({"num_proc": 5}, "np=5 needs 5 Spark task slots"),
+    ({"validation": 1.5}, r"fraction in \[0, 1\)"),
+    ({"metrics": ["f1"]}, "unknown metric 'f1'"),
+    ({"model": None}, r"model=<a torch.nn.Module>"),
+])
+def test_mistakes_fail_before_training_with_what_to_change(spark, tmp_path, change, message):
+    import ddl_magic
+
+    df = (numbered_rows(spark, 20, 2)
+          .withColumn("word", functions.lit("a"))
+          .withColumn("big_label", functions.col("id") % 10)
+          .withColumn("sometimes_null", functions.when(functions.col("id") > 3, 1.0))
+          .withColumn("ragged", functions.when(
+              functions.col("id") > 3, functions.array(functions.lit(1.0))).otherwise(
+              functions.array(functions.lit(1.0), functions.lit(2.0)))))
+    before = ddl_magic.last_run()
+    with pytest.raises((ValueError, TypeError), match=message):
+        noting_estimator(tmp_path, **change).fit(df)
+    assert ddl_magic.last_run() is before, "a rank was started"
+
+
+def test_it_is_a_spark_ml_estimator(tmp_path):
+    estimator = noting_estimator(tmp_path, epochs=3)
+    copy = estimator.copy({estimator.epochs: 5})
+    assert copy.getOrDefault(copy.epochs) == 5 and estimator.getOrDefault(estimator.epochs) == 3
+    assert copy.uid == estimator.uid
+    explained = estimator.explainParams()
+    for name in ("model", "optimizer", "loss", "feature_cols", "label_cols", "batch_size",
+                 "epochs", "num_proc", "validation", "shuffle", "metrics", "callbacks", "run_id",
+                 "checkpoint_dir", "use_gpu"):
+        assert f"\n{name}: " in f"\n{explained}"
+
+
+def test_a_fit_from_another_thread_finds_the_session(spark, tmp_path):
+    outcome = {}
+
+    def fit_elsewhere():
+        try:
+            outcome["model"] = noting_estimator(tmp_path).fit(numbered_rows(spark, 40, 2))
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit_elsewhere)
+    thread.start()
+    thread.join(timeout=120)
+    assert "error" not in outcome, outcome
+    assert len(outcome["model"].history) == 1
