@@ -91,6 +91,7 @@ class TorchEstimator(Estimator, _TorchParams):
     - `run_id`, `checkpoint_dir`: rank 0 writes `last.pt` and `best.pt` to
       `checkpoint_dir/run_id/` after every epoch (a path every executor and the driver can
       read); a later fit with the same `run_id` resumes after the last epoch saved.
+    - `timeline`: a path for every rank's timeline, as `%%horovod --timeline` records it.
     """
 
     model = _param("model", "the torch.nn.Module to train")
@@ -115,24 +116,27 @@ class TorchEstimator(Estimator, _TorchParams):
                          TypeConverters.toInt)
     verbose = _param("verbose", "1: rank 0 prints a line per epoch; 0: quiet",
                      TypeConverters.toInt)
+    timeline = _param("timeline", "record every rank's timeline to this path ('': with the "
+                      "run's logs)", TypeConverters.toString)
 
     @keyword_only
     def __init__(self, *, model=None, optimizer=None, loss=None, feature_cols=None,
                  label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                  shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
-                 use_gpu=False, random_seed=0, verbose=1, prediction_col="prediction"):
+                 use_gpu=False, random_seed=0, verbose=1, timeline=None,
+                 prediction_col="prediction"):
         super().__init__()
         self._setDefault(batch_size=32, epochs=1, shuffle=True, use_gpu=False, random_seed=0,
-                         verbose=1,
-                         prediction_col="prediction", checkpoint_dir=DEFAULT_CHECKPOINT_ROOT,
-                         metrics=[], callbacks=[])
+                         verbose=1, prediction_col="prediction", metrics=[], callbacks=[],
+                         checkpoint_dir=DEFAULT_CHECKPOINT_ROOT)
         self.setParams(**self._input_kwargs)
 
     @keyword_only
     def setParams(self, *, model=None, optimizer=None, loss=None, feature_cols=None,
                   label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                   shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
-                  use_gpu=False, random_seed=0, verbose=1, prediction_col="prediction"):
+                  use_gpu=False, random_seed=0, verbose=1, timeline=None,
+                  prediction_col="prediction"):
         return self._set(**{name: value for name, value in self._input_kwargs.items()
                             if value is not None})
 
@@ -144,7 +148,8 @@ class TorchEstimator(Estimator, _TorchParams):
         plan, columns = self._plan(dataset)
         num_proc = self._num_proc()
         launcher = SparkLauncher(data=dataset.select(*columns))
-        options = JobOptions(use_gpu=plan.use_gpu, title=(
+        timeline = self.getOrDefault(self.timeline) if self.isDefined(self.timeline) else None
+        options = JobOptions(use_gpu=plan.use_gpu, timeline_path=timeline, title=(
             f"TorchEstimator(num_proc={num_proc}, epochs={plan.epochs}): "
             f"{type(plan.model).__name__}"))
         self.last_run = Job(FunctionTask(train_on_shard, {"plan": plan}), num_proc, launcher,
@@ -184,7 +189,7 @@ class TorchEstimator(Estimator, _TorchParams):
         if classification and (len(label_cols) != 1 or kinds[label_cols[0]] != "number"):
             raise ValueError(f"{type(loss).__name__} takes one label column of class indices; "
                              f"label_cols is {label_cols}")
-        widths, label_range = _scan_columns(dataset, kinds, feature_cols, label_cols)
+        widths, label_range = _scan_columns(dataset, kinds, label_cols)
         features_in = sum(widths[name] for name in feature_cols)
         if classification:
             self._check_classes(model, features_in, label_cols[0], label_range)
@@ -408,9 +413,8 @@ def _column_kinds(dataset, names: list[str]) -> dict[str, str]:
         else:
             raise TypeError(
                 f"column {name!r} is {data_type.simpleString()}: the model reads numbers, arrays "
-                "of numbers or "
-                "ML vectors. Cast it (col.cast('double')), index it (StringIndexer) or assemble "
-                "the columns with VectorAssembler")
+                "of numbers or ML vectors. Cast it (col.cast('double')), index it "
+                "(StringIndexer) or assemble the columns with VectorAssembler")
     return kinds
 
 
@@ -423,7 +427,7 @@ def _as_arrays(dataset, name: str, kind: str):
     return vector_to_array(dataset[name], "float32").alias(name)
 
 
-def _scan_columns(dataset, kinds, feature_cols, label_cols):
+def _scan_columns(dataset, kinds, label_cols):
     """One aggregation over the data: nulls, array widths, the label range. Returns
     ({column: width}, (lowest label, highest label, whether all are whole numbers))."""
     from pyspark.sql import functions
@@ -436,7 +440,7 @@ def _scan_columns(dataset, kinds, feature_cols, label_cols):
             size = functions.size(column)
             checks += [functions.min(size).alias(f"min:{name}"),
                        functions.max(size).alias(f"max:{name}")]
-    label = dataset[label_cols[0]]
+    label = dataset[label_cols[0]].cast("double")  # booleans too
     if kinds[label_cols[0]] == "number":
         checks += [functions.min(label).alias("low"), functions.max(label).alias("high"),
                    functions.sum((label != functions.floor(label)).cast("long")).alias("fractions")]

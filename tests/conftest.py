@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-from spark_sessions import spark_context
-
 pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
 
 
@@ -20,7 +18,7 @@ def spark(request):
     Spark Connect (Databricks' shared and serverless compute). A cold start takes ~5 s.
 
     Both kinds run their JVM in this process (a local Connect server is a classic session
-    with a plugin), so `spark_context()` reaches the one behind either.
+    with a plugin), so `spark_sessions.spark_context()` reaches the one behind either.
     """
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("Spark needs Java")
@@ -41,7 +39,9 @@ def spark(request):
                    .config("spark.ui.showConsoleProgress", "false")
                    .config("spark.sql.shuffle.partitions", "4")
                    .getOrCreate())
-        spark_context().setLogLevel("ERROR")
+        from pyspark import SparkContext
+
+        SparkContext._active_spark_context.setLogLevel("ERROR")  # the one behind either kind
         yield session
         session.stop()
 

@@ -25,6 +25,7 @@ from ddl_magic.datasets import IRIS_FEATURES, load_iris
 from ddl_magic.estimator import TorchEstimator, TorchModel
 from ddl_magic.job import RankFailedError
 from spark_sessions import no_spark_job_active
+from trace_files import chrome_events, columnar_events
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -258,3 +259,12 @@ def test_a_fit_from_another_thread_finds_the_session(spark, tmp_path):
     thread.join(timeout=120)
     assert "error" not in outcome, outcome
     assert len(outcome["model"].history) == 1
+
+
+def test_a_fit_records_every_ranks_timeline_when_asked(spark, tmp_path):
+    path = tmp_path / "fit.timeline.json"
+    noting_estimator(tmp_path, timeline=str(path)).fit(numbered_rows(spark, 40, 2))
+    events = chrome_events(path)
+    assert {rank for rank, *_ in events} == {0, 1}
+    assert any(name.startswith("estimator.") for _, _, name, *_ in events)
+    assert columnar_events(path) == events

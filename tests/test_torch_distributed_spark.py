@@ -1,5 +1,9 @@
 """Plain torch.distributed code (DDP) in Spark barrier tasks, on a real local SparkSession:
-HorovodRunner and TorchDistributor(local_mode=False), over gloo and over the ddl backend."""
+HorovodRunner and TorchDistributor(local_mode=False), over gloo and over the ddl backend.
+
+A classic session only: the launcher itself is tested on Spark Connect too
+(test_spark_launcher.py), and what runs inside its tasks is the same for both.
+"""
 
 import sys
 
@@ -10,6 +14,7 @@ import training
 from ddl_magic import HorovodRunner, RankFailedError, TorchDistributor
 
 RUN_TIMEOUT_S = 120
+pytestmark = pytest.mark.parametrize("spark", ["classic"], indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module", autouse=True)
