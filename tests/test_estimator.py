@@ -11,7 +11,6 @@ import sys
 import tempfile
 import threading
 
-import cloudpickle
 import pytest
 import torch
 
@@ -24,17 +23,14 @@ from pyspark.sql import functions
 from ddl_magic.datasets import IRIS_FEATURES, load_iris
 from ddl_magic.estimator import TorchEstimator, TorchModel
 from ddl_magic.job import RankFailedError
-from spark_sessions import no_spark_job_active
+from spark_sessions import connect_only, no_spark_job_active, sent_by_value
 from trace_files import chrome_events, columnar_events
 
 
 @pytest.fixture(scope="module", autouse=True)
 def functions_travel_by_value():
-    """The executors cannot import this file: send its classes as a notebook's are sent."""
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    yield
-    cloudpickle.unregister_pickle_by_value(module)
+    with sent_by_value(sys.modules[__name__]):
+        yield
 
 
 class RowNotingNet(torch.nn.Module):
@@ -82,6 +78,8 @@ def numbered_rows(spark, rows, partitions):
 
 
 def test_a_pipeline_with_vector_assembler_trains_iris_as_well_as_spark_mls_mlp(spark):
+    connect_only(spark, "on a classic session, lab 1 runs this pipeline in CI "
+                        "(test_example_notebooks.py)")
     iris = spark.createDataFrame(load_iris().drop(columns=["species"]))
     train, test = iris.randomSplit([0.7, 0.3], seed=1)
     torch.manual_seed(0)

@@ -13,14 +13,13 @@ import sys
 import threading
 import time
 
-import cloudpickle
 import pytest
 
 import ddl_magic
 from ddl_magic.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.tasks import FunctionTask
-from spark_sessions import classic_only, no_spark_job_active, spark_context
+from spark_sessions import classic_only, no_spark_job_active, sent_by_value, spark_context
 
 RUN_TIMEOUT_S = 90
 # Failures must come back as soon as the tasks end, well before the run's start timeout.
@@ -29,11 +28,8 @@ QUICK_FAILURE_S = 30
 
 @pytest.fixture(scope="module", autouse=True)
 def functions_travel_by_value():
-    """The executors cannot import this file: send its functions as a notebook's are sent."""
-    module = sys.modules[__name__]
-    cloudpickle.register_pickle_by_value(module)
-    yield
-    cloudpickle.unregister_pickle_by_value(module)
+    with sent_by_value(sys.modules[__name__]):
+        yield
 
 
 def run_on_spark(function, np, **kwargs):

@@ -7,11 +7,11 @@ A classic session only: the launcher itself is tested on Spark Connect too
 
 import sys
 
-import cloudpickle
 import pytest
 
 import training
 from ddl_magic import HorovodRunner, RankFailedError, TorchDistributor
+from spark_sessions import sent_by_value
 
 RUN_TIMEOUT_S = 120
 pytestmark = pytest.mark.parametrize("spark", ["classic"], indirect=True, scope="module")
@@ -19,13 +19,8 @@ pytestmark = pytest.mark.parametrize("spark", ["classic"], indirect=True, scope=
 
 @pytest.fixture(scope="module", autouse=True)
 def functions_travel_by_value():
-    """The executors cannot import the test modules: send their functions by value."""
-    modules = [training, sys.modules[__name__]]
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    yield
-    for module in modules:
-        cloudpickle.unregister_pickle_by_value(module)
+    with sent_by_value(training, sys.modules[__name__]):
+        yield
 
 
 @pytest.fixture(scope="module")
