@@ -11,12 +11,21 @@ code (DDP, FSDP) runs the same way, or through pyspark's API:
 ``TorchDistributor(num_processes=2, use_gpu=False).run(train, 0.01)``.
 """
 
-from .job import RankFailedError, RunResult, last_run
-from .runner import HorovodRunner
-from .torch_distributor import TorchDistributor
+import importlib
 
 __all__ = ["HorovodRunner", "RankFailedError", "RunResult", "TorchDistributor", "last_run",
            "load_ipython_extension", "show_timeline"]
+
+# Imported when first used, not with the package: a rank or a Spark task imports
+# `ddl_magic.<module>` and must not pay for the driver's run machinery and notebook UI.
+_DRIVER_API = {"HorovodRunner": ".runner", "RankFailedError": ".job", "RunResult": ".job",
+               "last_run": ".job", "TorchDistributor": ".torch_distributor"}
+
+
+def __getattr__(name: str):
+    if name not in _DRIVER_API:
+        raise AttributeError(f"module 'ddl_magic' has no attribute {name!r}")
+    return getattr(importlib.import_module(_DRIVER_API[name], __name__), name)
 
 
 def show_timeline(path_or_run, **options) -> None:

@@ -32,9 +32,9 @@ def functions_travel_by_value():
         yield
 
 
-def run_on_spark(function, np, **kwargs):
+def run_on_spark(function, np, data=None, **kwargs):
     options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
-    return Job(FunctionTask(function, kwargs), np, SparkLauncher(), options).run()
+    return Job(FunctionTask(function, kwargs), np, SparkLauncher(data=data), options).run()
 
 
 def allreduce_ranks():
@@ -175,10 +175,11 @@ def test_an_executor_python_without_ddl_magic_is_named_with_the_fix(
 
 def test_an_executor_python_without_pyarrow_is_named_with_the_fix(spark, bare_python,
                                                                   executors_use):
+    """A stage over a DataFrame (every stage on Connect) is an Arrow stage: it needs pyarrow."""
     executors_use(bare_python)
     started = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
-        run_on_spark(allreduce_ranks, 2)
+        run_on_spark(allreduce_ranks, 2, data=spark.range(4))
     assert time.monotonic() - started < QUICK_FAILURE_S
     assert failure.value.reason.startswith(
         "its Spark task failed: ModuleNotFoundError: No module named 'pyarrow'. The executors' "

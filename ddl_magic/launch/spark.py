@@ -1,10 +1,11 @@
 """Ranks as Spark barrier tasks: one barrier stage of `np` tasks, each running one rank.
 
 Barrier mode gives gang scheduling (all ranks start together or none does) and
-all-or-nothing failure; everything else is ours. The stage is the DataFrame API's barrier
-mode (``mapInArrow(..., barrier=True)`` over `np` one-row partitions), which classic
-sessions and Spark Connect sessions (Databricks' shared and serverless compute) both offer;
-only cancelling the job differs between the two (`_ClassicJobs`, `_ConnectJobs`). Each task
+all-or-nothing failure; everything else is ours. Spark Connect sessions (Databricks' shared
+and serverless compute) have only the DataFrame API's barrier mode (``mapInArrow(...,
+barrier=True)``), and every run over a DataFrame uses it; a classic session runs a run without
+data as an RDD barrier stage, whose tasks start about a second sooner. How the stage is
+submitted, counted and cancelled is all that differs (`_ClassicJobs`, `_ConnectJobs`). Each task
 starts the same worker bootstrap as a local rank, ``python -m ddl_magic.worker``, as a child
 process, so the rank is isolated from Spark's reused Python worker, and waits for it.
 Rendezvous goes through the driver's control server, not Spark's ``allGather`` (about a
@@ -32,6 +33,7 @@ import re
 import threading
 import types
 import uuid
+from collections.abc import Callable
 
 from pyspark import InheritableThread
 
@@ -109,23 +111,21 @@ class SparkLauncher:
         self._stopping.clear()
         task = functools.partial(_by_value(_run_rank_task), control_address, secret,
                                  OUTPUT_TAIL_LINES, self._data is not None)
-        partitions = (self._spark.range(0, np, 1, np) if self._data is None
-                      else self._data.repartition(np))  # round robin: sizes differ by one at most
-        stage = partitions.mapInArrow(task, TASK_RESULT_SCHEMA, barrier=True)
+        run_tasks = self._jobs.barrier_stage(np, task, self._data)
 
         def run_stage() -> None:
             self._jobs.tag_this_thread(self._job_tag, f"ddl_magic: {np} ranks")
             try:
-                ended = stage.collect()
+                ended = run_tasks()
             except Exception as exc:  # whatever ended the job, the run must hear of it
                 if not self._stopping.is_set():
                     rank, reason, details = _describe_spark_error(exc)
                     events.put(RankFailed(rank, "", details, reason))
                 return
             for task_end in ended:  # what the control server has not heard already
-                if not task_end.reported:
-                    events.put(ProcessExited(task_end.rank, task_end.returncode,
-                                             task_end.output, task_end.host))
+                if not task_end["reported"]:
+                    events.put(ProcessExited(task_end["rank"], task_end["returncode"],
+                                             task_end["output"], task_end["host"]))
 
         # An InheritableThread keeps what the calling thread set, e.g. its scheduler pool.
         self._thread = InheritableThread(target=run_stage, session=self._spark,
@@ -150,11 +150,32 @@ class SparkLauncher:
         return int(self._conf("spark.task.cpus", "1"))
 
 
+def _dataframe_stage(spark, np: int, task, data) -> Callable[[], list[dict]]:
+    """The barrier stage in the DataFrame API: over `data` split into `np` partitions (round
+    robin: sizes differ by one row at most), or over `np` empty ones."""
+    partitions = spark.range(0, np, 1, np) if data is None else data.repartition(np)
+    stage = partitions.mapInArrow(functools.partial(task, True), TASK_RESULT_SCHEMA,
+                                  barrier=True)
+    return lambda: [row.asDict() for row in stage.collect()]
+
+
 class _ClassicJobs:
-    """A classic session's jobs: counted and cancelled through its SparkContext."""
+    """A classic session's jobs: counted and cancelled through its SparkContext.
+
+    A run without data uses the RDD API's barrier stage: its tasks start about a second
+    sooner than an Arrow stage's, whose Python workers import pyarrow and pandas.
+    """
 
     def __init__(self, spark):
+        self._spark = spark
         self._context = spark.sparkContext
+
+    def barrier_stage(self, np: int, task, data) -> Callable[[], list[dict]]:
+        if data is not None:
+            return _dataframe_stage(self._spark, np, task, data)
+        stage = self._context.parallelize(range(np), np).barrier().mapPartitions(
+            functools.partial(task, False))
+        return stage.collect
 
     def default_parallelism(self) -> int:
         return self._context.defaultParallelism
@@ -172,6 +193,9 @@ class _ConnectJobs:
 
     def __init__(self, spark):
         self._spark = spark
+
+    def barrier_stage(self, np: int, task, data) -> Callable[[], list[dict]]:
+        return _dataframe_stage(self._spark, np, task, data)
 
     def default_parallelism(self) -> int:
         # `range` without a partition count splits into the default parallelism, the number
@@ -233,13 +257,14 @@ def _by_value(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
-def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches):
+def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow, batches):
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
 
     With `hand_over_rows`, the partition's rows are the rank's share of the data it trains
     on (`ddl_magic.shards`). Tells the driver how the rank's process ended (returncode None:
     it could not start, and the output says why), and returns that as one row of
-    `TASK_RESULT_SCHEMA`. Never raises for a failed rank.
+    `TASK_RESULT_SCHEMA`: an Arrow batch of one row (`as_arrow`, in a DataFrame stage) or a
+    dict (in an RDD stage). Never raises for a failed rank.
     """
     import collections
     import importlib.util
@@ -248,7 +273,6 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches)
     import subprocess
     import sys
 
-    import pyarrow
     from pyspark import BarrierTaskContext
 
     task = BarrierTaskContext.get()
@@ -315,9 +339,14 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, batches)
         reported = True
     except (ImportError, OSError):  # the row below is the driver's only word of it
         reported = False
+    result = {"rank": rank, "host": host, "returncode": returncode, "output": output,
+              "reported": reported}
+    if not as_arrow:
+        yield result
+        return
+    import pyarrow
+
     columns = pyarrow.schema([("rank", pyarrow.int64()), ("host", pyarrow.string()),  # as
                               ("returncode", pyarrow.int64()), ("output", pyarrow.string()),
                               ("reported", pyarrow.bool_())])  # TASK_RESULT_SCHEMA
-    yield pyarrow.RecordBatch.from_pylist([{
-        "rank": rank, "host": host, "returncode": returncode, "output": output,
-        "reported": reported}], schema=columns)
+    yield pyarrow.RecordBatch.from_pylist([result], schema=columns)
