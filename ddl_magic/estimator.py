@@ -145,13 +145,13 @@ class TorchEstimator(Estimator, _TorchParams):
         from .launch.spark import SparkLauncher
         from .tasks import FunctionTask
 
-        plan, columns = self._plan(dataset)
         num_proc = self._num_proc()
+        plan, columns = self._plan(dataset)
         launcher = SparkLauncher(data=dataset.select(*columns))
-        timeline = self.getOrDefault(self.timeline) if self.isDefined(self.timeline) else None
-        options = JobOptions(use_gpu=plan.use_gpu, timeline_path=timeline, title=(
-            f"TorchEstimator(num_proc={num_proc}, epochs={plan.epochs}): "
-            f"{type(plan.model).__name__}"))
+        title = (f"TorchEstimator(num_proc={num_proc}, epochs={plan.epochs}): "
+                 f"{type(plan.model).__name__}")
+        options = JobOptions(use_gpu=plan.use_gpu, timeline_path=self._optional(self.timeline),
+                             title=title)
         self.last_run = Job(FunctionTask(train_on_shard, {"plan": plan}), num_proc, launcher,
                             options).run()
         trained = self._fresh_model()
@@ -169,7 +169,7 @@ class TorchEstimator(Estimator, _TorchParams):
         what to change, before any rank starts."""
         import torch
 
-        model = self.getOrDefault(self.model) if self.isDefined(self.model) else None
+        model = self._optional(self.model)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TorchEstimator needs model=<a torch.nn.Module>, got "
                             f"{type(model).__name__}")
@@ -196,7 +196,7 @@ class TorchEstimator(Estimator, _TorchParams):
         columns = [_as_arrays(dataset, name, kind) for name, kind in kinds.items()]
         if validation_col is not None:
             columns.append(dataset[validation_col])
-        run_id = self.getOrDefault(self.run_id) if self.isDefined(self.run_id) else None
+        run_id = self._optional(self.run_id)
         checkpoint_dir = os.path.join(self.getOrDefault(self.checkpoint_dir),
                                       run_id or uuid.uuid4().hex[:12])
         plan = TrainingPlan(
@@ -210,6 +210,10 @@ class TorchEstimator(Estimator, _TorchParams):
             use_gpu=self.getOrDefault(self.use_gpu), verbose=self.getOrDefault(self.verbose))
         return plan, columns
 
+    def _optional(self, param: Param):
+        """The parameter's value, or None where neither set nor defaulted."""
+        return self.getOrDefault(param) if self.isDefined(param) else None
+
     def _required(self, param: Param, name: str, example: str):
         if not self.isDefined(param) or self.getOrDefault(param) in (None, []):
             raise ValueError(f"TorchEstimator needs {name}= ({example})")
@@ -222,18 +226,17 @@ class TorchEstimator(Estimator, _TorchParams):
         return num_proc
 
     def _validation(self, dataset) -> tuple[float, str | None]:
-        validation = self.getOrDefault(self.validation) if self.isDefined(
-            self.validation) else None
+        validation = self._optional(self.validation)
         if validation is None:
             return 0.0, None
         if isinstance(validation, str):
             if validation not in dataset.columns:
                 raise ValueError(f"validation={validation!r} is not a column of the DataFrame; "
                                  f"it has {dataset.columns}")
-            if dataset.schema[validation].dataType.simpleString() != "boolean":
+            type_name = dataset.schema[validation].dataType.simpleString()
+            if type_name != "boolean":
                 raise TypeError(f"validation column {validation!r} must be boolean (true: a "
-                                f"validation row), it is "
-                                f"{dataset.schema[validation].dataType.simpleString()}")
+                                f"validation row), it is {type_name}")
             return 0.0, validation
         if not 0 <= float(validation) < 1:
             raise ValueError(f"validation={validation!r}: give a fraction in [0, 1) of the rows "

@@ -81,18 +81,16 @@ class SparkLauncher:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def task_slots(self) -> int:
-        """How many tasks the cluster runs at once: its cores over `spark.task.cpus`."""
-        return self._jobs.default_parallelism() // self._cpus_per_task()
-
     def check(self, np: int) -> None:
-        """Refuse at once a run with more ranks than task slots; Spark would retry for minutes."""
-        slots = self.task_slots()
+        """Refuse at once a run with more ranks than task slots (its cores over
+        `spark.task.cpus`): Spark would retry the barrier stage for minutes."""
+        cores, cpus_per_task = self._jobs.default_parallelism(), self._cpus_per_task()
+        slots = cores // cpus_per_task
         if np > slots:
             raise ValueError(
                 f"np={np} needs {np} Spark task slots at once (barrier tasks start together), "
-                f"but this SparkSession has {slots} ({slots * self._cpus_per_task()} cores, "
-                f"spark.task.cpus={self._cpus_per_task()}). Run with np={slots} or fewer, give "
+                f"but this SparkSession has {slots} ({cores} cores, "
+                f"spark.task.cpus={cpus_per_task}). Run with np={slots} or fewer, give "
                 "the cluster more executors or cores, or run the ranks as local processes.")
 
     def check_gpus(self, np: int) -> None:
