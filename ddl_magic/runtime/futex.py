@@ -5,7 +5,7 @@ few microseconds, then sleeps here: `FUTEX_WAIT` puts the thread to sleep only i
 still holds the value it last saw (checked atomically by the kernel, so a wake-up between
 the check and the sleep cannot be lost), and `FUTEX_WAKE` wakes every sleeper. The word
 lives in a mapping shared between processes, so the non-private futex operations are used.
-ctypes releases the GIL for the duration of the call: other threads of the rank run on.
+A wait releases the GIL for its duration: other threads of the rank run on.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class _Timespec(ctypes.Structure):
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+# Waking never blocks, so it keeps the GIL: a call through `CDLL` releases it, and the
+# woken thread of this process would take it and make the waker wait to get it back.
+_libc_holding_gil = ctypes.PyDLL(None)
+_libc_holding_gil.syscall.restype = ctypes.c_long
 
 
 def supported() -> bool:
@@ -48,4 +52,5 @@ def wait(address: int, seen: int, timeout_s: float) -> None:
 
 def wake_all(address: int) -> None:
     """Wake every thread sleeping in `wait` on the word at `address`, in any process."""
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _WAKE_ALL, None, None, 0)
+    _libc_holding_gil.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, _WAKE_ALL,
+                              None, None, 0)
