@@ -138,11 +138,14 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _contiguous_in_place(tensor: torch.Tensor, api: str) -> torch.Tensor:
+def _in_place_target(tensor: torch.Tensor, api: str) -> torch.Tensor:
+    """`tensor` detached from autograd (it shares the storage and version counter either
+    way), refused unless contiguous. A tensor that needs no grad (a `.grad`) is used as it
+    is: each torch call here lets the background thread take the GIL mid-burst."""
     if not tensor.is_contiguous():
         raise ValueError(f"{api}: in-place operations need a contiguous tensor; "
                          "call tensor.contiguous() first or use the out-of-place form")
-    return tensor
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 # ---- allreduce ----------------------------------------------------------------------------
@@ -168,7 +171,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: int | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set=None) -> Handle:
     """Start reducing `tensor` over all ranks, in place."""
-    target = _contiguous_in_place(tensor.detach(), "allreduce_async_")
+    target = _in_place_target(tensor, "allreduce_async_")
     return _allreduce_into(target, target, average, name, op, prescale_factor, postscale_factor,
                            "allreduce_async_")
 
@@ -226,7 +229,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
     """Reduce `tensor` over all ranks, in place, and return it."""
-    target = _contiguous_in_place(tensor.detach(), "allreduce_")
+    target = _in_place_target(tensor, "allreduce_")
     return synchronize(_allreduce_into(target, target, average, name, op, prescale_factor,
                                        postscale_factor, "allreduce_", wait_follows=True))
 
@@ -277,7 +280,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set=None) -> GroupHandle:
     """Start reducing several tensors over all ranks, each in place."""
-    targets = [_contiguous_in_place(t.detach(), "grouped_allreduce_async_") for t in tensors]
+    targets = [_in_place_target(t, "grouped_allreduce_async_") for t in tensors]
     return _grouped_allreduce(targets, average, name, op, prescale_factor, postscale_factor,
                               "grouped_allreduce_async_", in_place=True)
 
@@ -287,7 +290,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set=None) -> list[torch.Tensor]:
     """Reduce several tensors over all ranks, each in place, and return them."""
-    targets = [_contiguous_in_place(t.detach(), "grouped_allreduce_") for t in tensors]
+    targets = [_in_place_target(t, "grouped_allreduce_") for t in tensors]
     synchronize(_grouped_allreduce(targets, average, name, op, prescale_factor,
                                    postscale_factor, "grouped_allreduce_", in_place=True,
                                    wait_follows=True))
@@ -403,7 +406,7 @@ def _broadcast_anew(tensor, root_rank, name, api, wait_follows) -> Handle:
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` into `tensor` on every rank."""
-    target = _contiguous_in_place(tensor.detach(), "broadcast_async_")
+    target = _in_place_target(tensor, "broadcast_async_")
     return _broadcast_into(target, target, root_rank, name, "broadcast_async_")
 
 
@@ -423,7 +426,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with `root_rank`'s, on every rank, and return it."""
-    target = _contiguous_in_place(tensor.detach(), "broadcast_")
+    target = _in_place_target(tensor, "broadcast_")
     return synchronize(_broadcast_into(target, target, root_rank, name, "broadcast_",
                                        wait_follows=True))
 
