@@ -30,6 +30,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   is_initialized, join, local_rank, local_size, poll, rank, shutdown, size,
                   synchronize)
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .timeline import start_timeline, stop_timeline, timeline_span
 
 _backend.register()  # dist.init_process_group("ddl") works wherever this is imported
@@ -46,5 +47,6 @@ __all__ = [
     "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError",
 ]

@@ -27,6 +27,7 @@ from ..runtime.negotiation import Request
 from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression
+from .process_sets import on_global_process_set
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM,
                                            ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
@@ -50,8 +51,21 @@ def _op_name(kind: str, name: str | None) -> Iterator[str]:
         _unnamed_submitted[kind] += 1
 
 
-def init(*args, **kwargs) -> None:
-    """Join the run's ring (or become a world of one outside a launcher). Safe to call twice."""
+def init(comm=None, process_sets=None) -> None:
+    """Join the run's ring (or become a world of one outside a launcher). Safe to call twice.
+
+    Horovod's `comm` (an MPI communicator) and `process_sets` exist for its MPI and process-set
+    features, which ddl_magic does not have: anything but their defaults is refused.
+    """
+    if comm is not None:
+        raise NotImplementedError(
+            "init(comm=...): ddl_magic starts its ranks itself and does not use MPI; call "
+            "hvd.init() and launch with %%horovod, HorovodRunner or ddlrun")
+    if process_sets is not None and (process_sets == "dynamic" or list(process_sets)):
+        raise NotImplementedError(
+            f"init(process_sets={process_sets!r}): ddl_magic runs every collective over all "
+            "ranks and has no process sets besides hvd.global_process_set; call hvd.init() "
+            "without them")
     if not context.is_initialized():
         _unnamed_submitted.clear()
     context.init()
@@ -150,6 +164,7 @@ def _in_place_target(tensor: torch.Tensor, api: str) -> torch.Tensor:
 
 # ---- allreduce ----------------------------------------------------------------------------
 
+@on_global_process_set
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set=None) -> Handle:
@@ -167,6 +182,7 @@ def _allreduce_now(tensor, average, name, op, prescale, postscale) -> torch.Tens
     return synchronize(handle)
 
 
+@on_global_process_set
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set=None) -> Handle:
@@ -207,6 +223,7 @@ class _DifferentiableAllreduce(torch.autograd.Function):
         return reduced, None, None, None, None, None
 
 
+@on_global_process_set
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=None, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
@@ -225,6 +242,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(reduced, ctx)
 
 
+@on_global_process_set
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
@@ -234,6 +252,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                        postscale_factor, "allreduce_", wait_follows=True))
 
 
+@on_global_process_set
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -258,6 +277,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, api, in_
                             for i, tensor in enumerate(tensors)])
 
 
+@on_global_process_set
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression=None, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -275,6 +295,7 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
             for reduced, (_, ctx) in zip(synchronize(handle), compressed)]
 
 
+@on_global_process_set
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -285,6 +306,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                               "grouped_allreduce_async_", in_place=True)
 
 
+@on_global_process_set
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: int | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -299,6 +321,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
 
 # ---- allgather ----------------------------------------------------------------------------
 
+@on_global_process_set
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set=None) -> Handle:
     """Start concatenating every rank's `tensor` along dimension 0 (sizes may differ per rank)."""
     return _allgather_of(tensor, name, "allgather_async", wait_follows=False)
@@ -335,6 +358,7 @@ class _DifferentiableAllgather(torch.autograd.Function):
         return summed[ctx.start:ctx.start + ctx.length], None
 
 
+@on_global_process_set
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0, in rank order."""
     if tensor.requires_grad:
@@ -342,6 +366,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -
     return _allgather_now(tensor, name)
 
 
+@on_global_process_set
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set=None) -> GroupHandle:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
@@ -377,6 +402,7 @@ class _DifferentiableGroupedAllgather(torch.autograd.Function):
                         in zip(synchronize(handle), ctx.starts, ctx.lengths)))
 
 
+@on_global_process_set
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set=None) -> list[torch.Tensor]:
     """Concatenate every rank's tensors along dimension 0, in rank order, position by position.
@@ -391,6 +417,7 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
 
 # ---- broadcast ----------------------------------------------------------------------------
 
+@on_global_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` to every rank, into a new tensor."""
@@ -403,6 +430,7 @@ def _broadcast_anew(tensor, root_rank, name, api, wait_follows) -> Handle:
     return _broadcast_into(source, output, root_rank, name, api, wait_follows)
 
 
+@on_global_process_set
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` into `tensor` on every rank."""
@@ -417,12 +445,14 @@ def _broadcast_into(tensor, output, root_rank, name, api, wait_follows: bool = F
     return _submit(api, "broadcast", tensor, output, name, wait_follows, root=int(root_rank))
 
 
+@on_global_process_set
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set=None) -> torch.Tensor:
     """Return `root_rank`'s `tensor` on every rank."""
     return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
 
 
+@on_global_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with `root_rank`'s, on every rank, and return it."""
@@ -433,6 +463,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 # ---- barrier ------------------------------------------------------------------------------
 
+@on_global_process_set
 def barrier(process_set=None) -> None:
     """Return once every rank has called `barrier()`."""
     synchronize(_submit("barrier", "barrier", None, None, None, wait_follows=True))

@@ -24,6 +24,7 @@ from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression, Compressor
 from .ops import _allreduce_into, synchronize
+from .process_sets import on_global_process_set
 
 # DDP's default bucket size (bucket_cap_mb=25): an allreduce of 25 MiB takes long enough on
 # the wire that its fixed cost hardly counts, yet a large model still gets several buckets,
@@ -306,6 +307,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+@on_global_process_set
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: type[Compressor] = Compression.none,
