@@ -266,16 +266,20 @@ def same_name_twice_at_once():
 
     hvd.init()
     first = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
-    second = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
-    try:
-        hvd.synchronize(second)
-        error = None
-    except hvd.HorovodInternalError as exc:
-        error = str(exc)
-    return hvd.synchronize(first).tolist(), error
+    errors = []
+    for _ in range(3):  # as Horovod's test_horovod_allreduce_duplicate_name_error does
+        try:
+            hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
+        except ValueError as exc:
+            errors.append(str(exc))
+    reduced = hvd.synchronize(first).tolist()
+    again = hvd.allreduce(torch.ones(1), name="twice", op=hvd.Sum)  # the name is free again
+    return reduced, errors, again.tolist()
 
 
-def test_one_name_in_flight_twice_is_refused_and_the_first_completes():
-    for first, error in run_on_ranks(same_name_twice_at_once, 2, timeout_s=60):
+def test_one_name_in_flight_twice_is_refused_at_submit_and_the_first_completes():
+    for first, errors, again in run_on_ranks(same_name_twice_at_once, 2, timeout_s=60):
         assert first == [2.0, 2.0]
-        assert "'twice' was submitted again before its previous collective completed" in error
+        assert len(errors) == 3
+        assert "a collective named 'twice' is already in flight on this rank" in errors[0]
+        assert again == [2.0]

@@ -61,6 +61,7 @@ class Handle:
 
     def _complete(self, output: torch.Tensor | None = None, error: BaseException | None = None):
         self._output, self._error = output, error
+        self._queue._forget(self.name)  # before done() turns True: the name is free again then
         self._pending.release()
         if self._on_done is not None:
             self._on_done(self)
@@ -79,6 +80,7 @@ class OpQueue:
         self._runner = runner
         self._lock = threading.Lock()
         self._incoming: collections.deque = collections.deque()  # Entry, or a waited-on name
+        self._in_flight: set[str] = set()  # names submitted and not yet completed
         self._pending: dict[str, Entry] = {}
         self._cache = RequestCache()
         self._failure: BaseException | None = None
@@ -96,12 +98,19 @@ class OpQueue:
         fused its tensors itself (DDP's buckets): waiting for more to fuse with would only
         delay it. `on_done(handle)` is called once it completes, on whichever thread
         completes it."""
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            if request.name in self._in_flight:
+                raise ValueError(
+                    f"a collective named {request.name!r} is already in flight on this rank: "
+                    "give concurrent collectives distinct names, or synchronize the first one "
+                    "before submitting the next")
+            self._in_flight.add(request.name)
         handle = Handle(request.name, self, on_done)
         if self.world.size == 1:
             return self._run_alone(Entry(request, tensor, output, handle))
         with self._lock:
-            if self._failure is not None:
-                raise self._failure
             self._incoming.append(Entry(request, tensor, output, handle))
             self._queued_locked(fused)
             wake = not wait_follows and self._wake_needed_locked(fused)
@@ -115,7 +124,11 @@ class OpQueue:
         if request.kind == "join":
             entry.output = torch.tensor(0)
         first_dims = (request.shape[0] if request.shape else 1,)
-        self._runner.run(Response(request.kind, (request.name,), first_dims=first_dims), [entry])
+        try:
+            self._runner.run(Response(request.kind, (request.name,), first_dims=first_dims), [entry])
+        except BaseException:
+            self._forget(request.name)  # raised to the caller: nothing is left in flight
+            raise
         entry.handle._complete(output=entry.output)
         return entry.handle
 
@@ -160,16 +173,8 @@ class OpQueue:
             self._incoming.clear()
             closing = self._closing
             self._taken_locked()
-        entries = []
-        for entry in (item for item in items if isinstance(item, Entry)):
-            name = entry.request.name
-            if name in self._pending:  # refused here, so the first one still completes
-                entry.handle._complete(error=HorovodInternalError(
-                    f"tensor {name!r} was submitted again before its previous collective "
-                    "completed: give concurrent collectives distinct names"))
-                continue
-            self._pending[name] = entry
-            entries.append(entry)
+        entries = [item for item in items if isinstance(item, Entry)]
+        self._pending.update((entry.request.name, entry) for entry in entries)
         waited = [item for item in items if isinstance(item, str) and item in self._pending]
         return entries, waited, closing
 
@@ -197,6 +202,10 @@ class OpQueue:
                 raise
             for entry in entries:
                 entry.handle._complete(output=entry.output)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._in_flight.discard(name)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
