@@ -63,18 +63,50 @@ def check_grouped_allgather(hvd):
 
 def check_grouped_allgather_gradient(hvd):
     """Rank r's loss weighs the gathered tensors by r + 1, so each rank's slice of the
-    gradient is the sum over ranks: (1 + 2 + ... + size) times the weights at its rows."""
+    gradient is the average over ranks (Horovod's): (1 + 2 + ... + size) / size times the
+    weights at its rows."""
     rank, size = hvd.rank(), hvd.size()
     inputs = [torch.zeros(rank + 1, 2, requires_grad=True), torch.tensor(1.0, requires_grad=True)]
     gathered = hvd.grouped_allgather(inputs)
     weights = [torch.arange(g.numel(), dtype=torch.float32).view(g.shape) for g in gathered]
     loss = sum((g * w).sum() for g, w in zip(gathered, weights)) * (rank + 1)
     loss.backward()
-    summed = size * (size + 1) / 2
+    averaged = (size + 1) / 2
     start = sum(r + 1 for r in range(rank))  # this rank's first row of the first tensor
-    expected = [summed * weights[0][start:start + rank + 1], summed * weights[1][rank]]
+    expected = [averaged * weights[0][start:start + rank + 1], averaged * weights[1][rank]]
     return [f"gradient of input {i}: {x.grad}" for i, (x, e) in enumerate(zip(inputs, expected))
             if x.grad is None or x.grad.shape != x.shape or not torch.equal(x.grad, e)]
+
+
+def check_gradients_of_allgather_broadcast_and_grouped_allreduce(hvd):
+    """The gradients Horovod's own tests expect (test_horovod_allgather_grad,
+    test_horovod_broadcast_grad, test_horovod_grouped_allreduce_grad[_average])."""
+    rank, size = hvd.rank(), hvd.size()
+    failures = []
+    rows = [r + 1 for r in range(size)]  # rank r gathers r + 1 rows
+    mine = torch.ones(rows[rank], 3, requires_grad=True)
+    gathered = hvd.allgather(mine)
+    gathered.backward(torch.cat([torch.full((n, 3), float(r)) for r, n in enumerate(rows)]))
+    if not torch.equal(mine.grad, torch.full((rows[rank], 3), float(rank))):
+        failures.append(f"allgather gradient {mine.grad.tolist()}")
+    root = size - 1
+    source = torch.full((4,), float(rank), requires_grad=True)
+    broadcasted = hvd.broadcast(source, root)
+    if broadcasted.tolist() != [float(root)] * 4 or not broadcasted.requires_grad:
+        failures.append(f"broadcast gave {broadcasted} (it must carry autograd)")
+    broadcasted.backward(torch.ones(4))
+    if source.grad.tolist() != [1.0 if rank == root else 0.0] * 4:
+        failures.append(f"broadcast gradient {source.grad.tolist()}")
+    for op, scale in ((hvd.Sum, float(size)), (hvd.Average, 1.0)):
+        tensors = [torch.ones(5, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+        reduced = hvd.grouped_allreduce(tensors, op=op)
+        if not all(r.requires_grad for r in reduced):
+            failures.append(f"grouped_allreduce op={op} outputs carry no autograd")
+            continue
+        sum(r.sum() for r in reduced).backward()
+        if any(not torch.equal(t.grad, torch.full_like(t, scale)) for t in tensors):
+            failures.append(f"grouped_allreduce op={op} gradients {[t.grad for t in tensors]}")
+    return failures
 
 
 def check_grouped_allreduce_forms(hvd):
@@ -217,6 +249,7 @@ def check_only_the_global_process_set_and_no_ignored_arguments(hvd):
 # The last check leaves the ranks' unnamed calls out of step until it inits again: keep it last.
 CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_grouped_allgather_gradient, check_grouped_allreduce_forms,
+          check_gradients_of_allgather_broadcast_and_grouped_allreduce,
           check_failed_calls_leave_nothing_behind,
           check_only_the_global_process_set_and_no_ignored_arguments,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]

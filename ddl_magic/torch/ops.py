@@ -288,11 +288,33 @@ def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
     """
     compression = compression or Compression.none
     compressed = [compression.compress(tensor) for tensor in tensors]
-    handle = _grouped_allreduce([_plain(wire) for wire, _ in compressed], average, name, op,
-                                prescale_factor, postscale_factor, "grouped_allreduce",
-                                in_place=False, wait_follows=True)
-    return [compression.decompress(reduced, ctx)
-            for reduced, (_, ctx) in zip(synchronize(handle), compressed)]
+    wires = [wire for wire, _ in compressed]
+    args = (average, name, op, prescale_factor, postscale_factor)
+    if any(wire.requires_grad for wire in wires):
+        reduced = _DifferentiableGroupedAllreduce.apply(args, *wires)
+    else:
+        reduced = _grouped_allreduce_now(wires, *args)
+    return [compression.decompress(tensor, ctx) for tensor, (_, ctx) in zip(reduced, compressed)]
+
+
+def _grouped_allreduce_now(tensors, average, name, op, prescale, postscale) -> list[torch.Tensor]:
+    handle = _grouped_allreduce([_plain(t) for t in tensors], average, name, op, prescale,
+                                postscale, "grouped_allreduce", in_place=False, wait_follows=True)
+    return synchronize(handle)
+
+
+class _DifferentiableGroupedAllreduce(torch.autograd.Function):
+    """Each tensor's gradient is the same grouped allreduce of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, args, *tensors):
+        ctx.args = args
+        return tuple(_grouped_allreduce_now(tensors, *args))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, _, op, prescale, postscale = ctx.args
+        return (None, *_grouped_allreduce_now(grads, average, None, op, prescale, postscale))
 
 
 @on_global_process_set
@@ -342,7 +364,8 @@ def _allgather_now(tensor, name=None) -> torch.Tensor:
 
 
 class _DifferentiableAllgather(torch.autograd.Function):
-    """The gradient of a rank's slice is the sum over ranks of the gradient at that slice."""
+    """The gradient of a rank's slice is the average over ranks of the gradient at that slice
+    (Horovod's definition: ranks that compute the same loss get their own slice's gradient)."""
 
     @staticmethod
     def forward(ctx, tensor, name):
@@ -354,8 +377,8 @@ class _DifferentiableAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = _allreduce_now(grad.contiguous(), None, None, Sum, 1.0, 1.0)
-        return summed[ctx.start:ctx.start + ctx.length], None
+        averaged = _allreduce_now(grad.contiguous(), None, None, Average, 1.0, 1.0)
+        return averaged[ctx.start:ctx.start + ctx.length], None
 
 
 @on_global_process_set
@@ -382,7 +405,7 @@ def _grouped_allgather(tensors, name, api, wait_follows) -> GroupHandle:
 
 
 class _DifferentiableGroupedAllgather(torch.autograd.Function):
-    """Each tensor's gradient as in `allgather`: the sum over ranks at this rank's slice."""
+    """Each tensor's gradient as in `allgather`: the average over ranks at this rank's slice."""
 
     @staticmethod
     def forward(ctx, name, *tensors):
@@ -396,9 +419,9 @@ class _DifferentiableGroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        handle = _grouped_allreduce([_plain(grad) for grad in grads], None, None, Sum, 1.0, 1.0,
-                                    "grouped_allgather", in_place=False, wait_follows=True)
-        return (None, *(summed[start:start + length] for summed, start, length
+        handle = _grouped_allreduce([_plain(grad) for grad in grads], None, None, Average, 1.0,
+                                    1.0, "grouped_allgather", in_place=False, wait_follows=True)
+        return (None, *(averaged[start:start + length] for averaged, start, length
                         in zip(synchronize(handle), ctx.starts, ctx.lengths)))
 
 
@@ -449,7 +472,24 @@ def _broadcast_into(tensor, output, root_rank, name, api, wait_follows: bool = F
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set=None) -> torch.Tensor:
     """Return `root_rank`'s `tensor` on every rank."""
+    if tensor.requires_grad:
+        return _DifferentiableBroadcast.apply(tensor, root_rank, name)
     return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
+
+
+class _DifferentiableBroadcast(torch.autograd.Function):
+    """Only the root's tensor reaches the output: its gradient is the average over ranks of
+    the incoming gradient, and every other rank's is zero (as in Horovod)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = _allreduce_now(grad.contiguous(), None, None, Average, 1.0, 1.0)
+        return (averaged if rank() == ctx.root_rank else torch.zeros_like(averaged)), None, None
 
 
 @on_global_process_set
