@@ -109,6 +109,25 @@ def check_gradients_of_allgather_broadcast_and_grouped_allreduce(hvd):
     return failures
 
 
+def check_broadcast_optimizer_state_fills_missing_gradients(hvd):
+    """Horovod's test_broadcast_state_no_grad: a fresh optimizer's trainable parameters get
+    zero gradients, the others none, and the state is the root's."""
+    frozen = torch.nn.Parameter(torch.tensor([1, 3]), requires_grad=False)
+    trained = torch.nn.Parameter(torch.rand(4))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([frozen, trained], lr=0.001, weight_decay=1e-6, momentum=0.9,
+                        nesterov=True), named_parameters=[("a", frozen), ("b", trained)])
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    failures = []
+    if frozen.grad is not None:
+        failures.append(f"a parameter without requires_grad got a gradient {frozen.grad}")
+    if trained.grad is None or not torch.equal(trained.grad, torch.zeros(4)):
+        failures.append(f"the trainable parameter's gradient is {trained.grad}, not zeros")
+    if optimizer.param_groups[0]["lr"] != 0.001:
+        failures.append("the hyperparameters changed")
+    return failures
+
+
 def check_grouped_allreduce_forms(hvd):
     rank, size = hvd.rank(), hvd.size()
     failures = []
@@ -250,6 +269,7 @@ def check_only_the_global_process_set_and_no_ignored_arguments(hvd):
 CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_grouped_allgather_gradient, check_grouped_allreduce_forms,
           check_gradients_of_allgather_broadcast_and_grouped_allreduce,
+          check_broadcast_optimizer_state_fills_missing_gradients,
           check_failed_calls_leave_nothing_behind,
           check_only_the_global_process_set_and_no_ignored_arguments,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]

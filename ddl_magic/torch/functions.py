@@ -70,8 +70,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               process_set=None) -> None:
     """Give every rank `root_rank`'s optimizer state (momenta, step counts, hyperparameters).
 
+    As in Horovod, an optimizer that has not stepped yet gets a zero gradient for every
+    parameter that requires one and has none (code written for Horovod may read it).
+
     >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
+    if not optimizer.state:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
     state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast_optimizer_state")
     if rank() != root_rank:
         optimizer.load_state_dict(state)
