@@ -245,18 +245,15 @@ def test_step_after_synchronize_and_skip_synchronize_averages_once(hvd):
     optimizer.zero_grad()  # nothing left in flight
 
 
-def test_a_sparse_gradient_is_refused_by_name_unless_sent_dense(hvd):
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_a_sparse_gradient_is_averaged_and_reaches_the_optimizer_sparse(hvd, sparse_as_dense):
     embedding = nn.Embedding(10, 4, sparse=True)
-    sgd_on(embedding, hvd)
-    with pytest.raises(RuntimeError, match="'weight' is sparse.*sparse_as_dense=True"):
-        embedding(torch.tensor([1, 2])).sum().backward()
-
-    embedding = nn.Embedding(10, 4, sparse=True)
-    optimizer = sgd_on(embedding, hvd, sparse_as_dense=True)
+    optimizer = sgd_on(embedding, hvd, sparse_as_dense=sparse_as_dense)
     before = embedding.weight.detach().clone()
-    embedding(torch.tensor([1, 2])).sum().backward()
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
     optimizer.step()
-    assert not embedding.weight.grad.is_sparse
+    assert embedding.weight.grad.is_sparse
+    assert embedding.weight.grad.to_dense()[:3].tolist() == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
     changed = (embedding.weight != before).any(dim=1)
     assert changed.tolist() == [row in (1, 2) for row in range(10)]
 

@@ -128,6 +128,67 @@ def check_broadcast_optimizer_state_fills_missing_gradients(hvd):
     return failures
 
 
+def check_sparse_gradients_and_sparse_allreduce(hvd):
+    """Horovod's test_sparse_embeddings (both ways of sending a sparse gradient, SparseAdam
+    stepping on the result) and test_async_sparse_allreduce."""
+    rank, size = hvd.rank(), hvd.size()
+    failures = []
+    rows = torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]] if rank == 0 else [[1, 3, 4], [4, 7, 9]])
+    expected = torch.zeros(10, 3)  # the average over ranks of each rank's dense gradient
+    for r in range(size):
+        ids = [1, 2, 4, 5, 4, 3, 2, 9] if r == 0 else [1, 3, 4, 4, 7, 9]
+        for i in ids:
+            expected[i] += 1.0 / size
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1),
+            named_parameters=embedding.named_parameters(), sparse_as_dense=sparse_as_dense)
+        optimizer.zero_grad()
+        embedding(rows).sum().backward()
+        optimizer.step()
+        grad = embedding.weight.grad
+        if not grad.is_sparse or not torch.allclose(grad.to_dense(), expected):
+            failures.append(f"sparse_as_dense={sparse_as_dense}: gradient {grad}")
+    torch.manual_seed(rank)
+    dense = torch.rand(6, 4) * (torch.rand(6, 4) > 0.6)
+    for op in (hvd.Average, hvd.Sum):
+        gathered = hvd.sparse_allreduce_async(dense.to_sparse(), name=f"sparse.{op}", op=op)()
+        if not torch.allclose(gathered.to_dense(), hvd.allreduce(dense, op=op), atol=1e-6):
+            failures.append(f"sparse_allreduce_async op={op} differs from allreduce")
+    return failures
+
+
+def check_step_after_synchronize_warns_and_parameter_names(hvd):
+    """Horovod's warning for step() after synchronize() outside skip_synchronize(), and its
+    `_parameter_names` (a parameter's name, the same on every rank)."""
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1))
+    failures = []
+    names = optimizer._parameter_names
+    if len(set(names.values())) != 4 or hvd.allgather_object(sorted(names.values()))[0] != sorted(names.values()):
+        failures.append(f"_parameter_names {names}")
+    for skip in (False, True):
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if skip:
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+        warned = [w for w in caught if "optimizer.skip_synchronize()" in str(w.message)]
+        if len(warned) != (0 if skip else 1):
+            failures.append(f"skip_synchronize={skip}: {len(warned)} warnings")
+        optimizer.zero_grad()
+    return failures
+
+
 def check_grouped_allreduce_forms(hvd):
     rank, size = hvd.rank(), hvd.size()
     failures = []
@@ -270,6 +331,8 @@ CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_grouped_allgather_gradient, check_grouped_allreduce_forms,
           check_gradients_of_allgather_broadcast_and_grouped_allreduce,
           check_broadcast_optimizer_state_fills_missing_gradients,
+          check_sparse_gradients_and_sparse_allreduce,
+          check_step_after_synchronize_warns_and_parameter_names,
           check_failed_calls_leave_nothing_behind,
           check_only_the_global_process_set_and_no_ignored_arguments,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]

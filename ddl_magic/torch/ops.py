@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -436,6 +436,38 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
     if any(tensor.requires_grad for tensor in tensors):
         return list(_DifferentiableGroupedAllgather.apply(name, *tensors))
     return synchronize(_grouped_allgather(tensors, name, "grouped_allgather", wait_follows=True))
+
+
+# ---- sparse allreduce ----------------------------------------------------------------------
+
+@on_global_process_set
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None = None,
+                           process_set=None) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO `tensor` over all ranks (op Sum or Average) by gathering
+    every rank's indices and values; the returned function waits and gives the result, a
+    sparse tensor whose repeated indices add up when coalesced (Horovod's contract).
+
+    >>> reduced = hvd.sparse_allreduce_async(embedding.weight.grad, name="emb", op=hvd.Average)()
+    """
+    reduce_op = as_reduce_op(op)
+    if reduce_op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"sparse_allreduce_async: op must be Sum or Average, not {reduce_op.name}")
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async: the tensor is dense; use allreduce_async")
+    # allgather stacks rows: one row per non-zero, its coordinates in the indices' row
+    indices = allgather_async(tensor._indices().transpose(0, 1), name=f"{name}.indices")
+    values = allgather_async(tensor._values(), name=f"{name}.values")
+    world_size = size()
+
+    def result() -> torch.Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if reduce_op is ReduceOp.AVERAGE:
+            gathered_values = gathered_values / world_size
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values,
+                                       tensor.shape, check_invariants=True)
+
+    return result
 
 
 # ---- broadcast ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Iterable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression, Compressor
-from .ops import _allreduce_into, synchronize
+from .ops import _allreduce_into, sparse_allreduce_async, synchronize
 from .process_sets import on_global_process_set
 
 # DDP's default bucket size (bucket_cap_mb=25): an allreduce of 25 MiB takes long enough on
@@ -96,10 +97,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Divide by f before summing and by (size / f) after: keeps float16 sums in range.
             self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
+        self._made_dense: set[torch.Tensor] = set()  # parameters whose sparse gradient travels dense
+        self._sparse_in_flight: dict = {}  # parameter -> its sparse allreduce's result function
         params = [p for group in self.param_groups for p in group["params"]]
-        self._names = _parameter_names(params, named_parameters)
-        self._buckets = [_Bucket(_bucket_name(members, self._names), members)
-                         for members in assign_buckets(params, groups, self._names)]
+        self._parameter_names = _parameter_names(params, named_parameters)
+        self._buckets = [_Bucket(_bucket_name(members, self._parameter_names), members)
+                         for members in assign_buckets(params, groups, self._parameter_names)]
         self._synchronized = False
         self._skip_synchronize = False
         # Each hook knows its bucket and position: no lookup keyed by tensor (each hashes in Python).
@@ -125,17 +128,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                                  for other in self._buckets if other is not bucket))
 
     def _make_dense(self, param: torch.Tensor) -> None:
-        """Give `param` a dense gradient: zeros where this rank did not use it, since the
-        other ranks still expect its slot; a sparse one densified if `sparse_as_dense`."""
+        """Give `param` a dense gradient for its bucket: zeros where this rank did not use it,
+        since the other ranks still expect its slot. A sparse gradient is sent dense with
+        `sparse_as_dense`, else as indices and values (Horovod's sparse allreduce), its slot
+        in the bucket then carrying zeros; either way it is sparse again after the step."""
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         elif param.grad.is_sparse:
             if not self._sparse_as_dense:
-                raise RuntimeError(
-                    f"DistributedOptimizer: the gradient of {self._names[param]!r} is sparse "
-                    "(an nn.Embedding(sparse=True)?), and sparse gradients are not averaged "
-                    "as such; pass sparse_as_dense=True to DistributedOptimizer to send it dense")
-            param.grad = param.grad.to_dense()
+                self._sparse_in_flight[param] = sparse_allreduce_async(
+                    param.grad, name=f"sparse.{self._parameter_names[param]}", op=self._op)
+                param.grad = torch.zeros_like(param)
+            else:
+                param.grad = param.grad.to_dense()
+                self._made_dense.add(param)
 
     def _start(self, bucket: _Bucket, wait_follows: bool) -> None:
         bucket.gather()
@@ -150,6 +156,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         synchronize(handle)
         bucket.scatter(self._compression.decompress(compressed, ctx))
         bucket.reset()
+        for param in bucket.params:  # sparse as they came: SparseAdam takes only sparse ones
+            if param in self._made_dense:
+                param.grad = param.grad.to_sparse()
+                self._made_dense.discard(param)
+            elif param in self._sparse_in_flight:
+                param.grad = self._sparse_in_flight.pop(param)()
 
     def synchronize(self) -> None:
         """Wait for every bucket's allreduce; start those still waiting for a parameter (unused)."""
@@ -173,6 +185,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_synchronize = False
 
     def step(self, closure=None):
+        if self._synchronized and not self._skip_synchronize:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context "
+                          "after optimizer.synchronize(): the gradients are averaged again, "
+                          "which costs a second allreduce. Wrap step() in "
+                          "`with optimizer.skip_synchronize():` after synchronize().",
+                          stacklevel=2)
         if not (self._skip_synchronize and self._synchronized):
             self.synchronize()
         self._synchronized = False
@@ -324,7 +342,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     them, as in Horovod: None (buckets of up to 25 MiB, as DDP makes them), a number of
     buckets of about equal bytes, or a list of lists of parameters (every parameter in
     exactly one). `num_groups=k` is Horovod's older spelling of `groups=k`. A sparse
-    gradient is an error unless `sparse_as_dense=True`, which sends it as a dense one.
+    gradient (`nn.Embedding(sparse=True)`) is averaged as indices and values, as Horovod's
+    is, or sent dense with `sparse_as_dense=True`; either way the optimizer gets it sparse.
     """
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
