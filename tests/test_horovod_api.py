@@ -189,6 +189,39 @@ def check_step_after_synchronize_warns_and_parameter_names(hvd):
     return failures
 
 
+def check_reducescatter(hvd):
+    """Every rank reduces; each keeps its rows, the first `rows % size` ranks one row more
+    (Horovod's split); the gradient is the allgather of the incoming ones."""
+    rank, size = hvd.rank(), hvd.size()
+    failures = []
+    rows = 2 * size + 1  # uneven unless size is 1
+    start = rank * 2 + min(rank, 1)
+    mine = slice(start, start + 2 + (1 if rank < 1 or size == 1 else 0))
+    whole = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3)
+    tensor = whole * (rank + 1)
+    total = whole * (size * (size + 1) / 2)
+    summed = hvd.reducescatter(tensor, op=hvd.Sum)
+    if not torch.equal(summed, total[mine]):
+        failures.append(f"reducescatter Sum gave {summed.tolist()}")
+    averaged = hvd.synchronize(hvd.reducescatter_async(tensor, name="rs.average"))
+    if not torch.allclose(averaged, total[mine] / size):
+        failures.append(f"reducescatter_async Average gave {averaged.tolist()}")
+    scaled = hvd.grouped_reducescatter([tensor, tensor[:, 0].contiguous()], op=hvd.Sum,
+                                       postscale_factor=0.5)
+    if not (torch.equal(scaled[0], total[mine] * 0.5) and torch.equal(scaled[1], total[mine][:, 0] * 0.5)):
+        failures.append(f"grouped_reducescatter gave {[t.tolist() for t in scaled]}")
+    source = tensor.clone().requires_grad_()
+    hvd.reducescatter(source, op=hvd.Sum).sum().backward()
+    if not torch.equal(source.grad, torch.full_like(source, float(size))):
+        failures.append(f"reducescatter gradient {source.grad.tolist()}")
+    try:
+        hvd.reducescatter(torch.tensor(1.0))
+        failures.append("a scalar was scattered")
+    except ValueError:
+        pass
+    return failures
+
+
 def check_grouped_allreduce_forms(hvd):
     rank, size = hvd.rank(), hvd.size()
     failures = []
@@ -332,7 +365,7 @@ CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_gradients_of_allgather_broadcast_and_grouped_allreduce,
           check_broadcast_optimizer_state_fills_missing_gradients,
           check_sparse_gradients_and_sparse_allreduce,
-          check_step_after_synchronize_warns_and_parameter_names,
+          check_step_after_synchronize_warns_and_parameter_names, check_reducescatter,
           check_failed_calls_leave_nothing_behind,
           check_only_the_global_process_set_and_no_ignored_arguments,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]

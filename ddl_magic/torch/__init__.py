@@ -26,9 +26,10 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                   broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-                  grouped_allreduce_async, grouped_allreduce_async_, init, is_homogeneous,
-                  is_initialized, join, local_rank, local_size, poll, rank, shutdown, size,
-                  sparse_allreduce_async, synchronize)
+                  grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+                  grouped_reducescatter_async, init, is_homogeneous, is_initialized, join,
+                  local_rank, local_size, poll, rank, reducescatter, reducescatter_async, shutdown,
+                  size, sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .timeline import start_timeline, stop_timeline, timeline_span
@@ -44,7 +45,8 @@ __all__ = [
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "allgather",
     "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "allgather_object", "barrier",
-    "sparse_allreduce_async", "poll", "synchronize", "join",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
