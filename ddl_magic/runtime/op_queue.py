@@ -98,6 +98,8 @@ class OpQueue:
         fused its tensors itself (DDP's buckets): waiting for more to fuse with would only
         delay it. `on_done(handle)` is called once it completes, on whichever thread
         completes it."""
+        entry = Entry(request, tensor, output, Handle(request.name, self, on_done))
+        alone = self.world.size == 1
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -107,16 +109,15 @@ class OpQueue:
                     "give concurrent collectives distinct names, or synchronize the first one "
                     "before submitting the next")
             self._in_flight.add(request.name)
-        handle = Handle(request.name, self, on_done)
-        if self.world.size == 1:
-            return self._run_alone(Entry(request, tensor, output, handle))
-        with self._lock:
-            self._incoming.append(Entry(request, tensor, output, handle))
-            self._queued_locked(fused)
-            wake = not wait_follows and self._wake_needed_locked(fused)
+            if not alone:
+                self._incoming.append(entry)
+                self._queued_locked(fused)
+                wake = not wait_follows and self._wake_needed_locked(fused)
+        if alone:
+            return self._run_alone(entry)
         if wake:
             self._wake()
-        return handle
+        return entry.handle
 
     def _run_alone(self, entry: Entry) -> Handle:
         """A world of one has nothing to agree on: run at once, on the caller's thread."""

@@ -497,6 +497,11 @@ def _reducescatter(tensor, name, op, prescale, postscale, api, wait_follows) -> 
     return _RowsHandle(handle, [rows])
 
 
+def _reducescatter_now(tensor, name, op, prescale, postscale) -> torch.Tensor:
+    return synchronize(_reducescatter(tensor, name, op, prescale, postscale, "reducescatter",
+                                      wait_follows=True))
+
+
 class _DifferentiableReducescatter(torch.autograd.Function):
     """A rank's rows come from every rank's same rows: the gradient is the allgather of the
     incoming gradients, scaled as Horovod scales it."""
@@ -504,8 +509,7 @@ class _DifferentiableReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale):
         ctx.scale = _reducescatter_gradient_scale(op, prescale, postscale)
-        return synchronize(_reducescatter(tensor, name, op, prescale, postscale,
-                                          "reducescatter", wait_follows=True))
+        return _reducescatter_now(tensor, name, op, prescale, postscale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -531,8 +535,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Non
         reduced = _DifferentiableReducescatter.apply(compressed, name, op, prescale_factor,
                                                      postscale_factor)
     else:
-        reduced = synchronize(_reducescatter(compressed, name, op, prescale_factor,
-                                             postscale_factor, "reducescatter", wait_follows=True))
+        reduced = _reducescatter_now(compressed, name, op, prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
 
 
@@ -554,6 +557,11 @@ def _grouped_reducescatter(tensors, name, op, prescale, postscale, api, wait_fol
     return _RowsHandle(handle, rows)
 
 
+def _grouped_reducescatter_now(tensors, name, op, prescale, postscale) -> list[torch.Tensor]:
+    return synchronize(_grouped_reducescatter(tensors, name, op, prescale, postscale,
+                                              "grouped_reducescatter", wait_follows=True))
+
+
 class _DifferentiableGroupedReducescatter(torch.autograd.Function):
     """Each tensor's gradient as in `reducescatter`, gathered in one grouped allgather."""
 
@@ -561,8 +569,7 @@ class _DifferentiableGroupedReducescatter(torch.autograd.Function):
     def forward(ctx, args, *tensors):
         name, op, prescale, postscale = args
         ctx.scale = _reducescatter_gradient_scale(op, prescale, postscale)
-        return tuple(synchronize(_grouped_reducescatter(tensors, name, op, prescale, postscale,
-                                                        "grouped_reducescatter", True)))
+        return tuple(_grouped_reducescatter_now(tensors, name, op, prescale, postscale))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -584,7 +591,7 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
     if any(wire.requires_grad for wire in wires):
         reduced = _DifferentiableGroupedReducescatter.apply(args, *wires)
     else:
-        reduced = synchronize(_grouped_reducescatter(wires, *args, "grouped_reducescatter", True))
+        reduced = _grouped_reducescatter_now(wires, *args)
     return [compression.decompress(tensor, ctx) for tensor, (_, ctx) in zip(reduced, compressed)]
 
 
@@ -656,6 +663,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return `root_rank`'s `tensor` on every rank."""
     if tensor.requires_grad:
         return _DifferentiableBroadcast.apply(tensor, root_rank, name)
+    return _broadcast_now(tensor, root_rank, name)
+
+
+def _broadcast_now(tensor, root_rank, name) -> torch.Tensor:
     return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
 
 
@@ -666,7 +677,7 @@ class _DifferentiableBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
         ctx.root_rank = root_rank
-        return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
+        return _broadcast_now(tensor, root_rank, name)
 
     @staticmethod
     def backward(ctx, grad):

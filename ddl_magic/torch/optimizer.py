@@ -156,7 +156,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         synchronize(handle)
         bucket.scatter(self._compression.decompress(compressed, ctx))
         bucket.reset()
-        for param in bucket.params:  # sparse as they came: SparseAdam takes only sparse ones
+        if self._made_dense or self._sparse_in_flight:  # no lookup keyed by tensor otherwise
+            self._restore_sparse(bucket)
+
+    def _restore_sparse(self, bucket: _Bucket) -> None:
+        """Sparse gradients as they came: SparseAdam takes only sparse ones."""
+        for param in bucket.params:
             if param in self._made_dense:
                 param.grad = param.grad.to_sparse()
                 self._made_dense.discard(param)

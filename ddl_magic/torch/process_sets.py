@@ -47,11 +47,13 @@ global_process_set = ProcessSet()
 
 def check_process_set(process_set: ProcessSet | None, api: str) -> None:
     """Refuse a process set other than every rank of the run."""
-    if process_set is None or process_set is global_process_set:
+    if process_set is None:
         return
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"{api}: process_set must be hvd.global_process_set (or left out), "
                         f"not {type(process_set).__name__}")
+    if process_set.ranks is None:  # the set of every rank, however many there are
+        return
     if process_set.ranks != list(range(context.current(api).world.size)):
         raise NotImplementedError(
             f"{api}: ddl_magic runs every collective over all ranks and has no process set "
@@ -61,9 +63,9 @@ def check_process_set(process_set: ProcessSet | None, api: str) -> None:
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Horovod's dynamic process sets: only the set of every rank exists in ddl_magic."""
-    ranks = process_set.ranks if isinstance(process_set, ProcessSet) else list(process_set)
-    candidate = ProcessSet(ranks)
-    check_process_set(candidate, "add_process_set")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    check_process_set(process_set, "add_process_set")
     return global_process_set
 
 
