@@ -97,6 +97,42 @@ def check_grouped_allreduce(hvd):
     return [] if ok else [str(results)]
 
 
+def horovod_rows(rows, rank, size):
+    """Rank `rank`'s rows of a reducescatter: the first `rows % size` ranks get one more."""
+    base, extra = divmod(rows, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def check_reducescatter(hvd):
+    ops = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+           "product": hvd.Product}
+    failures = []
+    for dtype in DTYPES:
+        for numel in SIZES:
+            start, end = horovod_rows(numel, hvd.rank(), hvd.size())
+            for op_name, op in ops.items():
+                mine = rank_input(hvd.rank(), numel, dtype, op_name)
+                result = hvd.reducescatter(mine, op=op)
+                expected = expected_reduction(hvd.size(), numel, dtype, op_name)[start:end]
+                if not close(result, expected, dtype) or result.shape != (end - start,):
+                    failures.append(f"{op_name} {dtype} numel={numel}: {result[:8].tolist()}")
+    rows = 5  # rows of 3: a rank's part is whole rows
+    start, end = horovod_rows(rows, hvd.rank(), hvd.size())
+    mine = rank_input(hvd.rank(), rows * 3, torch.float32).view(rows, 3)
+    expected = expected_reduction(hvd.size(), rows * 3, torch.float32, "sum").view(rows, 3)
+    handle = hvd.reducescatter_async(mine, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    if not close(hvd.synchronize(handle), expected[start:end] * 2, torch.float32):
+        failures.append("reducescatter_async of rows, scaled")
+    grouped = hvd.grouped_reducescatter([mine, mine[:, 0].contiguous()], op=hvd.Sum)
+    if not (close(grouped[0], expected[start:end], torch.float32)
+            and close(grouped[1], expected[start:end, 0], torch.float32)):
+        failures.append(f"grouped_reducescatter: {[t.tolist() for t in grouped]}")
+    if not torch.equal(mine, rank_input(hvd.rank(), rows * 3, torch.float32).view(rows, 3)):
+        failures.append("reducescatter changed its input")
+    return failures
+
+
 def check_allgather(hvd):
     failures = []
     for dtype in DTYPES:
@@ -159,6 +195,11 @@ def check_large_buffers(hvd):
     result = hvd.broadcast(rank_input(hvd.rank(), numel, torch.float32), root_rank=root)
     if not torch.equal(result, rank_input(root, numel, torch.float32)):
         failures.append("broadcast of 12 MB")
+    start, end = horovod_rows(numel, hvd.rank(), hvd.size())
+    result = hvd.reducescatter(rank_input(hvd.rank(), numel, torch.float32), op=hvd.Sum)
+    expected = expected_reduction(hvd.size(), numel, torch.float32, "sum").float()[start:end]
+    if not torch.equal(result, expected):
+        failures.append("reducescatter of 12 MB")
     rows = 1_000_000  # rank r contributes r + 1 rows of 3: blocks of different sizes, up to 48 MB
     gathered = hvd.allgather(torch.full(((hvd.rank() + 1) * rows // 3, 3), float(hvd.rank())))
     expected = torch.cat([torch.full(((r + 1) * rows // 3, 3), float(r)) for r in range(hvd.size())])
@@ -187,7 +228,8 @@ def check_topology(hvd):
 
 
 CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
-          check_async_in_rank_dependent_order, check_grouped_allreduce, check_allgather,
+          check_async_in_rank_dependent_order, check_grouped_allreduce, check_reducescatter,
+          check_allgather,
           check_broadcast, check_objects_and_barrier, check_mismatch_names_the_tensor_and_ranks,
           check_large_buffers, check_transport, check_topology]
 

@@ -9,7 +9,7 @@ choosing how the data moves — so the algorithms stay plain:
 - several hosts with the same number of ranks each: hierarchical allreduce, Horovod's
   HOROVOD_HIERARCHICAL_ALLREDUCE (reduce-scatter within the host through shared memory, ring
   allreduce of each rank's part across hosts, allgather within the host: only 1/local_size
-  of the bytes cross between hosts); allgather and broadcast use the ring;
+  of the bytes cross between hosts); reduce-scatter, allgather and broadcast use the ring;
 - otherwise the TCP ring (`ring.py`), ordered host by host.
 """
 
@@ -25,7 +25,7 @@ from .. import kernels
 from .negotiation import Request, Response
 from .reduce_ops import ReduceOp
 from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
-                   ring_broadcast)
+                   ring_broadcast, ring_reduce_scatter)
 from .shared_memory import HostGroup
 from .timeline import recorder
 from .transport import RingTransport
@@ -75,6 +75,8 @@ class CollectiveRunner:
         """Run `response` and write results into the entries' outputs."""
         if response.kind == "allreduce":
             self._allreduce(entries)
+        elif response.kind == "reducescatter":
+            self._reducescatter(entries[0])
         elif response.kind == "allgather":
             self._allgather(entries[0], response.first_dims)
         elif response.kind == "broadcast":
@@ -140,6 +142,37 @@ class CollectiveRunner:
             observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
             ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype),
                            observer)
+
+    def _reducescatter(self, entry: Entry) -> None:
+        """Reduce the tensor over all ranks; this rank keeps its `splits[rank]` rows of dim 0."""
+        request = entry.request
+        op = ReduceOp(request.op)
+        size, rank = self.transport.world.size, self.transport.world.rank
+        row = math.prod(request.shape[1:])
+        parts, start = [], 0
+        for rows in request.splits:
+            parts.append((start, start + rows * row))
+            start += rows * row
+        buffer = self._fusion_buffer(request.dtype, math.prod(request.shape), torch.device("cpu"))
+        buffer.copy_(_host(entry.tensor).reshape(-1))  # the input stays as it was
+        _scale(buffer, request.prescale)
+        labels = _TimelineLabels([entry], buffer.numel() * buffer.element_size())
+        if self._shared_memory is not None:
+            with labels.span("shared_memory", op="reducescatter", size=size):
+                self._shared_memory.reduce_scatter(
+                    buffer, [parts[member] for member in self._shared_memory.ranks], op.kernel_name)
+        else:
+            observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
+            ring_reduce_scatter(buffer, parts, self.transport, _reducer(op),
+                                self._scratch_for(buffer.dtype), observer)
+        own_start, own_end = parts[rank]
+        mine = buffer[own_start:own_end]
+        _scale(mine, request.postscale / size if op is ReduceOp.AVERAGE else request.postscale)
+        mine = mine.view(request.splits[rank], *request.shape[1:])
+        if entry.output is not None:
+            entry.output.copy_(mine)
+        else:  # its own memory: the fusion buffer is reused by the next collective
+            entry.output = mine.to(entry.tensor.device, copy=True)
 
     def _staged_on_host(self, device_buffer: torch.Tensor) -> torch.Tensor:
         """A pinned host copy of `device_buffer`, reusing one pinned buffer per dtype."""

@@ -45,13 +45,14 @@ class Request(NamedTuple):
     """
 
     name: str
-    kind: str  # "allreduce", "allgather", "broadcast", "barrier" or "join"
+    kind: str  # "allreduce", "reducescatter", "allgather", "broadcast", "barrier" or "join"
     dtype: torch.dtype
     shape: tuple[int, ...]
     op: int = 0
     root: int = 0
     prescale: float = 1.0
     postscale: float = 1.0
+    splits: tuple[int, ...] = ()  # reducescatter: how many rows of dimension 0 each rank keeps
 
     @property
     def nbytes(self) -> int:
@@ -60,8 +61,10 @@ class Request(NamedTuple):
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         text = f"{self.kind} {dtype}{list(self.shape)}"
-        if self.kind == "allreduce":
+        if self.kind in ("allreduce", "reducescatter"):
             text += f" op={self.op} prescale={self.prescale} postscale={self.postscale}"
+        if self.kind == "reducescatter":
+            text += f" splits={list(self.splits)}"
         if self.kind == "broadcast":
             text += f" root={self.root}"
         return text
@@ -74,9 +77,9 @@ class Request(NamedTuple):
             return self.shape[1:] == other.shape[1:] and len(self.shape) == len(other.shape)
         if self.kind == "broadcast":
             return (self.shape, self.root) == (other.shape, other.root)
-        if self.kind == "allreduce":
-            return (self.shape, self.op, self.prescale, self.postscale) == (
-                other.shape, other.op, other.prescale, other.postscale)
+        if self.kind in ("allreduce", "reducescatter"):
+            return (self.shape, self.op, self.prescale, self.postscale, self.splits) == (
+                other.shape, other.op, other.prescale, other.postscale, other.splits)
         return True
 
 

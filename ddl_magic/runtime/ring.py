@@ -1,4 +1,5 @@
-"""Ring collectives: allreduce as scatter-reduce followed by allgather, and broadcast.
+"""Ring collectives: allreduce as scatter-reduce followed by allgather, reduce-scatter, and
+broadcast.
 
 This is the algorithm of Baidu's ring-allreduce (the code Horovod grew from), on N ranks
 arranged in a ring, each sending only to its right neighbour and receiving only from its
@@ -27,6 +28,11 @@ N-1 steps every rank has every reduced chunk.
 
 Every rank sends K(N-1)/N bytes in each phase, 2K(N-1)/N in all, whatever N is: this is
 what makes the ring bandwidth-optimal (a parameter server receives K(N-1) bytes).
+
+A reduce-scatter is the first phase alone, with the chunks numbered so that rank r finishes
+with chunk r, its own part of the result: half the bytes of an allreduce. A sharded
+optimizer reduce-scatters the gradients and allgathers the updated parameters: the same
+bytes as one allreduce, split around its step.
 
 What the loops below add to the lecture:
 - the send of a step runs on the transport's sender thread while this thread receives,
@@ -91,21 +97,42 @@ def ring_allreduce(buffer: torch.Tensor, transport: RingTransport, reduce: Reduc
     if size == 1 or buffer.numel() == 0:
         return
     bounds = chunk_bounds(buffer.numel(), size)
+    owned = transport.position + 1
     with observer.phase("scatter_reduce"):
-        scatter_reduce(buffer, bounds, transport, reduce, scratch, observer)
+        scatter_reduce(buffer, bounds, transport, reduce, scratch, owned, observer)
     with observer.phase("allgather"):
-        ring_allgather(buffer, bounds, transport, transport.position + 1, observer)
+        ring_allgather(buffer, bounds, transport, owned, observer)
+
+
+def ring_reduce_scatter(buffer: torch.Tensor, parts: list[tuple[int, int]],
+                        transport: RingTransport, reduce: Reduce, scratch: torch.Tensor,
+                        observer: RingObserver = UNOBSERVED) -> None:
+    """Reduce the 1-D `buffer` across all ranks so that each rank r ends with the complete
+    reduction of its own part, `buffer[parts[r][0]:parts[r][1]]` (parts in rank order, any
+    sizes); the rest of its buffer is left partly reduced."""
+    if transport.size == 1 or buffer.numel() == 0:
+        return
+    in_ring_order = [parts[member] for member in transport.members]
+    with observer.phase("scatter_reduce"):
+        scatter_reduce(buffer, in_ring_order, transport, reduce, scratch, transport.position,
+                       observer)
 
 
 def scatter_reduce(buffer: torch.Tensor, bounds: list[tuple[int, int]], transport: RingTransport,
-                   reduce: Reduce, scratch: torch.Tensor, observer: RingObserver = UNOBSERVED) -> None:
-    """After this, rank r holds the reduction over all ranks of chunk (r + 1) of `buffer`."""
-    rank, size = transport.position, transport.size
+                   reduce: Reduce, scratch: torch.Tensor, owned: int,
+                   observer: RingObserver = UNOBSERVED) -> None:
+    """After this, rank r holds the reduction over all ranks of chunk (`owned`) of `buffer`.
+
+    The lecture's schedule is `owned` = r + 1: at step i rank r sends chunk (owned - 1 - i)
+    and receives chunk (owned - 2 - i), so the chunk it receives last, at step N-2, is
+    chunk (owned - N) = owned, and every other rank's contribution to it has arrived.
+    """
+    size = transport.size
     segment = max(1, SEGMENT_BYTES // buffer.element_size())
     for step in range(size - 1):
         started_ns = time.monotonic_ns()
-        send_chunk = (rank - step) % size
-        recv_chunk = (rank - step - 1) % size
+        send_chunk = (owned - 1 - step) % size
+        recv_chunk = (owned - 2 - step) % size
         sent = _chunk(buffer, bounds, send_chunk)
         sending = transport.send_to_right(_bytes(sent))
         received = _chunk(buffer, bounds, recv_chunk)

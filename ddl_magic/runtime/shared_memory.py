@@ -30,6 +30,10 @@ Allreduce, for each piece of the buffer that fits in a data buffer:
 Either way each element is reduced by one computation that every rank reads the result of
 (or that every rank runs identically), so all ranks end bit-identical.
 
+Reduce-scatter, one phase per piece: every rank publishes the parts the others own and
+reduces its own part in place from every neighbour's buffer (the first phase of the large
+path above, with each rank's part given by the caller).
+
 Waiting. A waiting rank spins on the counters for `SPIN_S` when the host has a core for
 every rank, then sleeps on the counter's futex in slices of `SLEEP_SLICE_S`; between slices
 it checks whether the neighbour's process still exists (a pidfd becomes readable when the
@@ -210,6 +214,28 @@ class HostGroup:
                 self._reduce_everywhere(piece, op)
             else:
                 self._reduce_scatter_allgather(piece, op, across_hosts)
+
+    def reduce_scatter(self, buffer: torch.Tensor, parts: list[tuple[int, int]], op: str) -> None:
+        """Reduce the 1-D host tensor `buffer` over the host's ranks so that local rank i's
+        part, `buffer[parts[i][0]:parts[i][1]]`, holds the reduction on local rank i (the
+        rest of each rank's buffer is left as it was)."""
+        own_start, own_end = parts[self.index]
+        per_round = BUFFER_BYTES // buffer.element_size()
+        for piece_start in range(0, buffer.numel(), per_round):
+            piece = buffer[piece_start:piece_start + per_round]
+            start = min(max(own_start - piece_start, 0), piece.numel())  # my part, in this piece
+            end = min(max(own_end - piece_start, start), piece.numel())
+            round_buffer = self._next_buffer()
+            mine = self.own.view(round_buffer, piece.dtype, piece.numel())
+            mine[:start].copy_(piece[:start])
+            mine[end:].copy_(piece[end:])
+            self._publish_and_wait()
+            if end > start:
+                reduced = piece[start:end]
+                for index, segment in enumerate(self.segments):
+                    if index != self.index:
+                        theirs = segment.view(round_buffer, piece.dtype, piece.numel())
+                        kernels.reduce_(reduced, theirs[start:end], op)
 
     def allgather(self, blocks: list[torch.Tensor]) -> None:
         """`blocks[i]` is local rank i's 1-D block (this rank's filled in): fill in the others."""

@@ -198,16 +198,13 @@ class DdlProcessGroup(dist.ProcessGroup):
             for o, i in zip(outputs, inputs)
         ], outputs)
 
-    # A reduce-scatter is, for now, an allreduce of the whole input of which this rank keeps
-    # its part: twice the traffic of a ring reduce-scatter, until the runtime has one of its own.
-
     def reduce_scatter_single(self, output, input, opts) -> _Work:
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
         return self._work("reduce_scatter", [
-            _keep_part(o, i.detach().reshape(-1), self._rank * o.numel(), op)
+            _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, op)
             for o, i in zip(outputs, _reducible(inputs, "reduce_scatter"))
         ], outputs)
 
@@ -215,8 +212,8 @@ class DdlProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts.reduceOp, "reduce_scatter")
         _reducible([t for inputs in input_lists for t in inputs], "reduce_scatter")
         return self._work("reduce_scatter", [
-            _keep_part(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
-                       sum(t.numel() for t in inputs[:self._rank]), op)
+            _scatter_into(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
+                          [t.numel() for t in inputs], op)
             for output, inputs in zip(outputs, input_lists)
         ], outputs)
 
@@ -291,11 +288,14 @@ def _contiguous(tensor: torch.Tensor, call: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _keep_part(output: torch.Tensor, whole: torch.Tensor, start: int, op: ReduceOp) -> tuple:
-    """The submission that allreduces `whole` and copies its part from `start` into `output`."""
-    part = output.numel()
-    return ("allreduce", whole.contiguous(), None, {"op": int(op)},
-            lambda reduced: output.view(-1).copy_(reduced[start:start + part]))
+def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], op: ReduceOp) -> tuple:
+    """The submission that reduce-scatters the 1-D `whole`, rank r keeping `splits[r]`
+    elements, into `output` (directly where it is contiguous)."""
+    fields = {"op": int(op), "splits": tuple(splits)}
+    if output.is_contiguous():
+        return ("reducescatter", whole.contiguous(), output.view(-1), fields, None)
+    return ("reducescatter", whole.contiguous(), None, fields,
+            lambda mine: output.copy_(mine.view(output.shape)))
 
 
 def _copy_chunks(gathered: torch.Tensor, outputs: list[torch.Tensor]) -> None:

@@ -439,8 +439,8 @@ def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
 
 
 # ---- reducescatter --------------------------------------------------------------------------
-# For now a reducescatter is an allreduce of the whole tensor of which each rank keeps its
-# rows: Horovod's results and semantics, at twice the bytes a ring reduce-scatter would send.
+# The ring's scatter-reduce phase alone (or one shared-memory phase): each rank receives only
+# what it keeps, half the bytes of an allreduce.
 
 def _rows_of(first_dim: int, rank_: int, size_: int) -> tuple[int, int]:
     """Rank `rank_`'s rows of `first_dim`, split as Horovod splits them: the first
@@ -454,47 +454,45 @@ def _rows_of(first_dim: int, rank_: int, size_: int) -> tuple[int, int]:
     return start, start + base + (1 if rank_ < extra else 0)
 
 
-class _RowsHandle:
-    """A reducescatter in flight: the allreduce behind it, and this rank's rows of each result."""
-
-    __slots__ = ("_handle", "_rows")
-
-    def __init__(self, handle: Handle | GroupHandle, rows: list[tuple[int, int]]):
-        self._handle, self._rows = handle, rows
-
-    def done(self) -> bool:
-        return self._handle.done()
-
-    def wait(self) -> torch.Tensor | list[torch.Tensor]:
-        reduced = self._handle.wait()
-        if isinstance(self._handle, GroupHandle):
-            return [whole[start:end].clone() for whole, (start, end) in zip(reduced, self._rows)]
-        start, end = self._rows[0]
-        return reduced[start:end].clone()  # its own memory: the whole tensor can go
-
-
-def _scatterable(tensor: torch.Tensor, api: str) -> tuple[int, int]:
+def _reducescatter_fields(tensor: torch.Tensor, op, prescale, postscale, api: str) -> dict:
+    """The request fields of a reducescatter of `tensor`, every argument checked first."""
     if tensor.dim() == 0:
         raise ValueError(f"{api}: a scalar cannot be scattered over ranks; give a tensor with "
                          "at least one dimension (its rows are split between the ranks)")
-    return _rows_of(tensor.shape[0], rank(), size())
+    reduce_op = as_reduce_op(op)
+    check_reducible(tensor, api)
+    world = size()
+    splits = tuple(end - start for start, end in
+                   (_rows_of(tensor.shape[0], r, world) for r in range(world)))
+    return dict(op=int(reduce_op), prescale=float(prescale), postscale=float(postscale),
+                splits=splits)
 
 
 @on_global_process_set
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = Average,
                         process_set=None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> _RowsHandle:
+                        postscale_factor: float = 1.0) -> Handle:
     """Start reducing `tensor` over all ranks; `synchronize` gives this rank's rows of the
     result (the first `rows % size` ranks get one row more)."""
     return _reducescatter(tensor, name, op, prescale_factor, postscale_factor,
                           "reducescatter_async", wait_follows=False)
 
 
-def _reducescatter(tensor, name, op, prescale, postscale, api, wait_follows) -> _RowsHandle:
-    rows = _scatterable(tensor, api)
-    handle = _allreduce_into(_plain(tensor), None, None, name, op, prescale, postscale, api,
-                             wait_follows)
-    return _RowsHandle(handle, [rows])
+def _reducescatter(tensor, name, op, prescale, postscale, api, wait_follows) -> Handle:
+    fields = _reducescatter_fields(tensor, op, prescale, postscale, api)
+    return _submit(api, "reducescatter", _plain(tensor), None, name, wait_follows, **fields)
+
+
+def reducescatter_parts_async(tensor: torch.Tensor, splits: tuple[int, ...], name: str,
+                              op: int, prescale: float, postscale: float, api: str) -> Handle:
+    """Reduce-scatter where rank r keeps `splits[r]` rows instead of Horovod's even split
+    (a sharded optimizer's shares of its parameters)."""
+    fields = _reducescatter_fields(tensor, op, prescale, postscale, api)
+    if len(splits) != size() or sum(splits) != tensor.shape[0]:
+        raise ValueError(f"{api}: splits {list(splits)} must give each of the {size()} ranks "
+                         f"its rows of the {tensor.shape[0]}")
+    fields["splits"] = tuple(int(rows) for rows in splits)
+    return _submit(api, "reducescatter", _plain(tensor), None, name, **fields)
 
 
 def _reducescatter_now(tensor, name, op, prescale, postscale) -> torch.Tensor:
@@ -543,7 +541,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Non
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
                                 op: int | None = Average, process_set=None,
                                 prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> _RowsHandle:
+                                postscale_factor: float = 1.0) -> GroupHandle:
     """Start reducescattering several tensors at once; `synchronize` gives the list of this
     rank's rows of each."""
     return _grouped_reducescatter(tensors, name, op, prescale_factor, postscale_factor,
@@ -551,10 +549,12 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = 
 
 
 def _grouped_reducescatter(tensors, name, op, prescale, postscale, api, wait_follows):
-    rows = [_scatterable(tensor, api) for tensor in tensors]
-    handle = _grouped_allreduce([_plain(t) for t in tensors], None, name, op, prescale,
-                                postscale, api, in_place=False, wait_follows=wait_follows)
-    return _RowsHandle(handle, rows)
+    """Tensor i goes under `{name}.{i}`, every tensor checked before any is submitted."""
+    fields = [_reducescatter_fields(t, op, prescale, postscale, api) for t in tensors]
+    with _op_name("grouped_reducescatter", name) as base:
+        return GroupHandle([_submit(api, "reducescatter", _plain(tensor), None, f"{base}.{i}",
+                                    wait_follows, **tensor_fields)
+                            for i, (tensor, tensor_fields) in enumerate(zip(tensors, fields))])
 
 
 def _grouped_reducescatter_now(tensors, name, op, prescale, postscale) -> list[torch.Tensor]:
@@ -583,7 +583,7 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
                           compression=None, op: int | None = Average, process_set=None,
                           prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """`reducescatter` of several tensors in as few passes as fusion allows."""
+    """`reducescatter` of several tensors, submitted together: one handle, one wait."""
     compression = compression or Compression.none
     compressed = [compression.compress(tensor) for tensor in tensors]
     wires = [wire for wire, _ in compressed]
