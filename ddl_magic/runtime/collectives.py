@@ -144,7 +144,11 @@ class CollectiveRunner:
                            observer)
 
     def _reducescatter(self, entry: Entry) -> None:
-        """Reduce the tensor over all ranks; this rank keeps its `splits[rank]` rows of dim 0."""
+        """Reduce the tensor over all ranks; this rank keeps its `splits[rank]` rows of dim 0.
+
+        Submitted in place (the output is the input, a contiguous host tensor), the input is
+        the working buffer: its rows for this rank become the result, the rest is clobbered.
+        """
         request = entry.request
         op = ReduceOp(request.op)
         size, rank = self.transport.world.size, self.transport.world.rank
@@ -153,8 +157,12 @@ class CollectiveRunner:
         for rows in request.splits:
             parts.append((start, start + rows * row))
             start += rows * row
-        buffer = self._fusion_buffer(request.dtype, math.prod(request.shape), torch.device("cpu"))
-        buffer.copy_(_host(entry.tensor).reshape(-1))  # the input stays as it was
+        in_place = entry.output is entry.tensor
+        if in_place and _is_host_contiguous(entry.tensor):
+            buffer = entry.tensor.view(-1)
+        else:  # the input stays as it was
+            buffer = self._fusion_buffer(request.dtype, math.prod(request.shape), torch.device("cpu"))
+            buffer.copy_(_host(entry.tensor).reshape(-1))
         _scale(buffer, request.prescale)
         labels = _TimelineLabels([entry], buffer.numel() * buffer.element_size())
         if self._shared_memory is not None:
@@ -168,6 +176,12 @@ class CollectiveRunner:
         own_start, own_end = parts[rank]
         mine = buffer[own_start:own_end]
         _scale(mine, request.postscale / size if op is ReduceOp.AVERAGE else request.postscale)
+        if in_place:
+            target = entry.tensor.view(-1)[own_start:own_end]
+            if target.data_ptr() != mine.data_ptr():  # a GPU tensor: its rows from the host
+                target.copy_(mine)
+            entry.output = target.view(request.splits[rank], *request.shape[1:])
+            return
         mine = mine.view(request.splits[rank], *request.shape[1:])
         if entry.output is not None:
             entry.output.copy_(mine)
@@ -194,7 +208,9 @@ class CollectiveRunner:
             bounds.append((start, start + dim * row))
             start += dim * row
         rank = self.transport.world.rank
-        output = torch.empty((sum(first_dims), *tensor.shape[1:]), dtype=tensor.dtype)
+        output = entry.output  # given by the caller (a host tensor of the gathered shape), or new
+        if output is None:
+            output = torch.empty((sum(first_dims), *tensor.shape[1:]), dtype=tensor.dtype)
         flat = output.view(-1)
         own_start, own_end = bounds[rank]
         flat[own_start:own_end].copy_(_host(tensor).reshape(-1))

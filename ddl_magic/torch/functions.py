@@ -73,8 +73,15 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     As in Horovod, an optimizer that has not stepped yet gets a zero gradient for every
     parameter that requires one and has none (code written for Horovod may read it).
 
+    A sharded optimizer (`shard_optimizer_state=True`) keeps a different share of the state
+    on each rank: it gets `root_rank`'s hyperparameters only. To restore a checkpoint into
+    one, call `load_state_dict` on every rank.
+
     >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
+    if hasattr(optimizer, "broadcast_hyperparameters"):
+        optimizer.broadcast_hyperparameters(root_rank)
+        return
     if not optimizer.state:
         for group in optimizer.param_groups:
             for param in group["params"]:

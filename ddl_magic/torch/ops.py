@@ -483,16 +483,25 @@ def _reducescatter(tensor, name, op, prescale, postscale, api, wait_follows) -> 
     return _submit(api, "reducescatter", _plain(tensor), None, name, wait_follows, **fields)
 
 
-def reducescatter_parts_async(tensor: torch.Tensor, splits: tuple[int, ...], name: str,
-                              op: int, prescale: float, postscale: float, api: str) -> Handle:
-    """Reduce-scatter where rank r keeps `splits[r]` rows instead of Horovod's even split
-    (a sharded optimizer's shares of its parameters)."""
+def reducescatter_parts_async_(tensor: torch.Tensor, splits: tuple[int, ...], name: str,
+                               op: int, prescale: float, postscale: float, api: str) -> Handle:
+    """Reduce-scatter in place where rank r keeps `splits[r]` rows instead of Horovod's even
+    split (a sharded optimizer's shares of its parameters). `tensor` (contiguous, on the
+    host) is the working buffer: the result is a view of this rank's rows of it, and the
+    other rows are clobbered."""
     fields = _reducescatter_fields(tensor, op, prescale, postscale, api)
     if len(splits) != size() or sum(splits) != tensor.shape[0]:
         raise ValueError(f"{api}: splits {list(splits)} must give each of the {size()} ranks "
                          f"its rows of the {tensor.shape[0]}")
     fields["splits"] = tuple(int(rows) for rows in splits)
-    return _submit(api, "reducescatter", _plain(tensor), None, name, **fields)
+    target = _in_place_target(tensor, api)
+    return _submit(api, "reducescatter", target, target, name, **fields)
+
+
+def allgather_into_async(tensor: torch.Tensor, output: torch.Tensor, name: str) -> Handle:
+    """`allgather_async` into `output`, a contiguous host tensor of the gathered shape that
+    is reused from call to call (a sharded optimizer's parameters, every step)."""
+    return _submit("allgather", "allgather", _gatherable(tensor), output, name)
 
 
 def _reducescatter_now(tensor, name, op, prescale, postscale) -> torch.Tensor:

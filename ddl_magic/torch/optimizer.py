@@ -26,6 +26,7 @@ from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression, Compressor
 from .ops import _allreduce_into, sparse_allreduce_async, synchronize
 from .process_sets import on_global_process_set
+from .sharded_optimizer import sharded
 
 # DDP's default bucket size (bucket_cap_mb=25): an allreduce of 25 MiB takes long enough on
 # the wire that its fixed cost hardly counts, yet a large model still gets several buckets,
@@ -92,10 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
-        self._prescale, self._postscale = 1.0, 1.0
-        if gradient_predivide_factor != 1.0:
-            # Divide by f before summing and by (size / f) after: keeps float16 sums in range.
-            self._prescale, self._postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        self._prescale, self._postscale = _predivided(gradient_predivide_factor)
         self._sparse_as_dense = sparse_as_dense
         self._made_dense: set[torch.Tensor] = set()  # parameters whose sparse gradient travels dense
         self._sparse_in_flight: dict = {}  # parameter -> its sparse allreduce's result function
@@ -206,6 +204,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("DistributedOptimizer: zero_grad() was called while gradients "
                                  "were being averaged; call step() (or synchronize()) first")
         return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _predivided(factor: float) -> tuple[float, float]:
+    """The prescale and postscale of Horovod's gradient_predivide_factor f: divide by f before
+    summing and by (size / f) after (the average's 1/size does the rest), which keeps float16
+    sums in range."""
+    return 1.0 / factor, factor
 
 
 def _parameter_names(params: list[torch.Tensor],
@@ -337,7 +342,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          backward_passes_per_step: int = 1, op: int = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Groups = None, sparse_as_dense: bool = False,
-                         process_set=None) -> torch.optim.Optimizer:
+                         process_set=None,
+                         shard_optimizer_state: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so each `step()` uses gradients averaged over all ranks.
 
     >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
@@ -349,6 +355,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     exactly one). `num_groups=k` is Horovod's older spelling of `groups=k`. A sparse
     gradient (`nn.Embedding(sparse=True)`) is averaged as indices and values, as Horovod's
     is, or sent dense with `sparse_as_dense=True`; either way the optimizer gets it sparse.
+
+    `shard_optimizer_state=True` keeps the optimizer's state (Adam's moments) of only 1/N of
+    the parameters on each rank (ZeRO stage 1, see `sharded_optimizer.py`): gradients are
+    reduce-scattered and parameters allgathered in `step()`, the bytes of one allreduce.
     """
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
@@ -357,6 +367,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("gradient_predivide_factor needs op=hvd.Average")
     if groups is None and num_groups:
         groups = num_groups
+    if shard_optimizer_state:
+        if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError("DistributedOptimizer(shard_optimizer_state=True) averages or sums "
+                             "gradients: pass op=hvd.Average or op=hvd.Sum")
+        if groups is not None:
+            raise ValueError("DistributedOptimizer(shard_optimizer_state=True) reduce-scatters "
+                             "each dtype's gradients in one pass: groups and num_groups do not apply")
+        prescale, postscale = _predivided(gradient_predivide_factor)
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        return sharded(optimizer, _parameter_names(every, named_parameters), compression, reduce_op, prescale, postscale,
+                       sparse_as_dense)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
