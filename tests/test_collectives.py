@@ -133,6 +133,40 @@ def check_reducescatter(hvd):
     return failures
 
 
+def check_alltoall(hvd):
+    """Rank s sends (s + d) % 3 rows to rank d, each row holding (s, d): some blocks empty."""
+    failures = []
+    me, size = hvd.rank(), hvd.size()
+    splits = [(me + d) % 3 for d in range(size)]
+    for dtype in DTYPES:
+        rows = torch.cat([torch.tensor([[me, d]] * n, dtype=torch.int64) for d, n in enumerate(splits)])
+        tensor = rows.view(-1, 1, 2).expand(-1, 3, 2).to(dtype).contiguous()  # 3-D: rows of 3x2
+        received, counts = hvd.alltoall(tensor, splits=torch.tensor(splits, dtype=torch.int32))
+        expected = torch.cat([torch.tensor([[s, me]] * ((s + me) % 3), dtype=torch.int64)
+                              for s in range(size)]).view(-1, 1, 2).expand(-1, 3, 2).to(dtype)
+        if not torch.equal(received, expected) or counts.tolist() != [(s + me) % 3 for s in range(size)]:
+            failures.append(f"alltoall {dtype}: {received.tolist()} {counts.tolist()}")
+    equal = torch.arange(2 * size, dtype=torch.float32) + 100 * me  # two rows to each rank
+    received = hvd.synchronize(hvd.alltoall_async(equal))[0]
+    if received.tolist() != [100 * s + 2 * me + i for s in range(size) for i in range(2)]:
+        failures.append(f"alltoall_async equal split: {received.tolist()}")
+    source = (torch.arange(2 * size, dtype=torch.float64) + me).requires_grad_()
+    (hvd.alltoall(source) * (me + 1)).sum().backward()  # each row's gradient: its receiver's rank + 1
+    if source.grad.tolist() != [float(d + 1) for d in range(size) for _ in range(2)]:
+        failures.append(f"alltoall gradient {source.grad.tolist()}")
+    refused = [([size + 5] * size, "rows, but"), (torch.ones(size), "int32")]
+    if size > 1:
+        refused.append((None, "equally"))  # size + 1 rows
+    for splits, error in refused:
+        try:
+            hvd.alltoall(torch.zeros(size + 1), splits=splits)
+            failures.append(f"no error for splits {splits}")
+        except ValueError as exc:
+            if error not in str(exc):
+                failures.append(f"splits {splits}: {exc}")
+    return failures
+
+
 def check_allgather(hvd):
     failures = []
     for dtype in DTYPES:
@@ -229,7 +263,7 @@ def check_topology(hvd):
 
 CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
           check_async_in_rank_dependent_order, check_grouped_allreduce, check_reducescatter,
-          check_allgather,
+          check_alltoall, check_allgather,
           check_broadcast, check_objects_and_barrier, check_mismatch_names_the_tensor_and_ranks,
           check_large_buffers, check_transport, check_topology]
 

@@ -23,6 +23,7 @@ from .compression import Compression
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+                  alltoall, alltoall_async,
                   allreduce_, allreduce_async, allreduce_async_, barrier, broadcast, broadcast_,
                   broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
@@ -46,7 +47,7 @@ __all__ = [
     "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_",
     "broadcast_async", "broadcast_async_", "broadcast_object", "allgather_object", "barrier",
     "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "sparse_allreduce_async", "poll", "synchronize", "join",
+    "grouped_reducescatter_async", "alltoall", "alltoall_async", "sparse_allreduce_async", "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

@@ -604,6 +604,109 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
     return [compression.decompress(tensor, ctx) for tensor, (_, ctx) in zip(reduced, compressed)]
 
 
+# ---- alltoall -------------------------------------------------------------------------------
+# For now an alltoall is an allgather of every rank's input, of which each rank keeps the
+# blocks sent to it: right on every transport, at N-1 times the bytes of a direct exchange.
+
+def _alltoall_splits(tensor: torch.Tensor, splits, api: str) -> list[int]:
+    """How many rows of `tensor` go to each rank, checked as Horovod checks them."""
+    if tensor.dim() == 0:
+        raise ValueError(f"{api}: a scalar cannot be split among ranks; give a tensor whose "
+                         "rows (dimension 0) go to the ranks")
+    ranks, rows = size(), tensor.shape[0]
+    if splits is None:
+        if rows % ranks:
+            raise ValueError(f"{api}: {rows} rows cannot be split equally among {ranks} ranks; "
+                             "pass splits= (how many rows go to each rank, in rank order)")
+        return [rows // ranks] * ranks
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"{api}: splits must hold int32 values, as Horovod's, not {splits.dtype}")
+        splits = splits.tolist()
+    splits = list(splits)
+    if len(splits) != ranks or any(not isinstance(s, int) or s < 0 for s in splits):
+        raise ValueError(f"{api}: splits {splits} must give a count of rows, 0 or more, for each "
+                         f"of the {ranks} ranks")
+    if sum(splits) > rows:
+        raise ValueError(f"{api}: splits {splits} send {sum(splits)} rows, but the tensor has {rows}")
+    return splits
+
+
+class _AlltoallHandle:
+    """An alltoall in flight: the allgathers of every rank's splits and of every rank's rows."""
+
+    __slots__ = ("_splits", "_rows")
+
+    def __init__(self, splits: Handle, rows: Handle):
+        self._splits, self._rows = splits, rows
+
+    def done(self) -> bool:
+        return self._splits.done() and self._rows.done()
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows every rank sent this one, in rank order; how many came from each rank)."""
+        sent = self._splits.wait().view(size(), size())  # sent[s, r]: rows rank s sends rank r
+        gathered, me = self._rows.wait(), rank()
+        blocks, start = [], 0
+        for source in range(size()):
+            offset = start + int(sent[source, :me].sum())
+            blocks.append(gathered[offset:offset + int(sent[source, me])])
+            start += int(sent[source].sum())
+        return torch.cat(blocks), sent[:, me].to(torch.int32)
+
+
+@on_global_process_set
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
+                   process_set=None) -> _AlltoallHandle:
+    """Start sending `splits[r]` rows of `tensor` to each rank r (equal parts without
+    `splits`); `synchronize` gives (the rows received, in rank order; how many from each)."""
+    return _alltoall(tensor, splits, name, "alltoall_async")
+
+
+def _alltoall(tensor, splits, name, api) -> _AlltoallHandle:
+    counts = _alltoall_splits(tensor, splits, api)
+    with _op_name("alltoall", name) as base:
+        return _AlltoallHandle(
+            _submit(api, "allgather", torch.tensor(counts), None, f"{base}.splits"),
+            _submit(api, "allgather", _gatherable(tensor[:sum(counts)]), None, f"{base}.rows"))
+
+
+class _DifferentiableAlltoall(torch.autograd.Function):
+    """The gradient of what a rank sent is what came back when every rank returns the
+    gradients of the rows it received, to the ranks they came from."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        output, received = synchronize(_alltoall(tensor, splits, name, "alltoall"))
+        ctx.received, ctx.rows = received, tensor.shape[0]
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _received):
+        returned, _ = synchronize(_alltoall(grad.contiguous(), ctx.received, None, "alltoall"))
+        if returned.shape[0] < ctx.rows:  # rows past the splits were not sent: no gradient
+            padding = returned.new_zeros((ctx.rows - returned.shape[0], *returned.shape[1:]))
+            returned = torch.cat([returned, padding])
+        return returned, None, None
+
+
+@on_global_process_set
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set=None):
+    """Send `splits[r]` rows of `tensor` to each rank r, in rank order (`tensor.shape[0] /
+    size` rows each without `splits`); returns the rows every rank sent this one, in rank
+    order, and with `splits` also how many came from each rank (an int32 tensor).
+
+    On 2 ranks, rank 0's ``hvd.alltoall(torch.tensor([0, 0, 1]), splits=[2, 1])`` sends
+    ``[0, 0]`` to itself and ``[1]`` to rank 1.
+    """
+    if tensor.requires_grad:
+        output, received = _DifferentiableAlltoall.apply(tensor, splits, name)
+    else:
+        output, received = synchronize(_alltoall(tensor, splits, name, "alltoall"))
+    return output if splits is None else (output, received)
+
+
 # ---- sparse allreduce ----------------------------------------------------------------------
 
 @on_global_process_set
