@@ -91,9 +91,10 @@ class TcpOpQueue(OpQueue):
             if self._wake_receiver in readable:
                 entries, waited, closing = self._take_incoming()
                 if entries or waited:
-                    channel.send(("submit", [self._cache.encode(e.request) for e in entries], waited))
+                    self._send_to_rank_0(channel, ("submit", [self._cache.encode(e.request)
+                                                              for e in entries], waited))
                 if closing:
-                    channel.send(("bye",))
+                    self._send_to_rank_0(channel, ("bye",))
                     return
             if channel.sock in readable:
                 message = self._recv(channel, 0)
@@ -101,6 +102,21 @@ class TcpOpQueue(OpQueue):
                     raise HorovodInternalError(message[1])
                 self._cache.update(message[1].cache_updates)
                 self._execute(message[1])
+
+    def _send_to_rank_0(self, channel, message) -> None:
+        try:
+            channel.send(message)
+        except OSError as exc:
+            # Rank 0 closed the connection, most likely after saying why (its own shutdown,
+            # an abort): that message is still ours to read, and a better reason than EPIPE.
+            try:
+                channel.sock.settimeout(1.0)
+                last = channel.recv()
+                if last[0] == "abort":
+                    raise HorovodInternalError(last[1]) from exc
+            except (OSError, PeerClosedError, EOFError):
+                pass
+            raise PeerLostError(0, self.world.peers[0].host, "connection lost") from exc
 
     def _coordinate(self) -> None:
         """Rank 0: collect every rank's requests, decide cycles, send them out and run them."""
