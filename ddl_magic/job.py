@@ -31,6 +31,9 @@ REFRESH_INTERVAL_S = 0.1
 # After a first failure, how long to wait for the other ranks' reports before choosing
 # which failure to show: a rank that died and the neighbour that noticed it arrive together.
 FAILURE_SETTLE_S = 0.3
+# Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
+# reported after everything it wrote: wait that long at most for its last words.
+LAST_WORDS_TIMEOUT_S = 3.0
 START_TIMEOUT_S = 120.0
 
 
@@ -159,7 +162,8 @@ class Job:
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = make_display(self.np, quiet=options.hide_output, log_dir=log_dir, title=options.title)
-        watcher = _RunWatcher(record, display, timeline_path)
+        watcher = _RunWatcher(record, display, timeline_path,
+                              exits_follow_output=getattr(self.launcher, "forwards_output", False))
         outcome = "failed"
         try:
             display.display()
@@ -189,8 +193,11 @@ def _open_trace(path: str):
 class _RunWatcher:
     """Applies events to the run record, the display, the log files and the timeline."""
 
-    def __init__(self, record: RunResult, display, timeline_path: str | None):
+    def __init__(self, record: RunResult, display, timeline_path: str | None,
+                 exits_follow_output: bool = False):
         self.record = record
+        self._exits_follow_output = exits_follow_output
+        self._output_before_start: dict[int, list[str]] = {}  # a rank's failure, if it never starts
         self.display = display
         self._logs = {r.rank: open(r.log_path, "a", encoding="utf-8", buffering=1)
                       for r in record.ranks}
@@ -206,7 +213,7 @@ class _RunWatcher:
         first_failure_at = None
         while len(self._results) < self.record.np:
             now = time.monotonic()
-            if first_failure_at is not None and now - first_failure_at >= FAILURE_SETTLE_S:
+            if first_failure_at is not None and self._settled(now - first_failure_at):
                 break
             if timeout_s is not None and now - started > timeout_s:
                 self.record.status = "timed out"
@@ -232,6 +239,13 @@ class _RunWatcher:
         self.record.status = "done"
         self._collect_results()
 
+    def _settled(self, since_first_failure: float) -> bool:
+        """Have the failures of this moment all come in, and the failed ranks' last words?"""
+        if since_first_failure < FAILURE_SETTLE_S:
+            return False
+        return (not self._exits_follow_output or since_first_failure >= LAST_WORDS_TIMEOUT_S
+                or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures))
+
     def handle(self, event) -> None:
         record = self.record
         if isinstance(event, ProcessExited):
@@ -241,10 +255,11 @@ class _RunWatcher:
                 self._logs[event.rank].write(event.output)
             # A running rank's end is reported by its control connection, in order after its
             # last words; only a rank that never connected is reported here.
+            printed = event.output or "\n".join(self._output_before_start.pop(event.rank, []))
             if rank.status == "starting" and event.returncode is None:  # it could not start
-                self.handle(RankFailed(event.rank, event.host, "", event.output))
+                self.handle(RankFailed(event.rank, event.host, "", printed))
             elif rank.status == "starting":
-                self.handle(RankFailed(event.rank, rank.host or event.host, event.output,
+                self.handle(RankFailed(event.rank, rank.host or event.host, printed,
                                        describe_exit(event.returncode), event.returncode))
             return
         if isinstance(event, TimelineBatch):
@@ -258,10 +273,13 @@ class _RunWatcher:
         rank = record.ranks[event.rank]
         if isinstance(event, RankStarted):
             rank.host, rank.pid, rank.status, rank.started_at = event.host, event.pid, "running", time.time()
+            self._output_before_start.pop(event.rank, None)
             if self._trace is not None:
                 self._trace.add_rank(event.rank, event.host)
         elif isinstance(event, RankOutput):
             self._logs[event.rank].write(event.text + "\n")
+            if rank.status == "starting":
+                self._output_before_start.setdefault(event.rank, []).append(event.text)
         elif isinstance(event, RankFinished):
             rank.status, rank.ended_at = "done", time.time()
             self._results[event.rank] = event.result

@@ -19,6 +19,7 @@ process listing or a log.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import runpy
 import socket
@@ -29,6 +30,7 @@ import traceback
 
 import cloudpickle
 
+from .output_lines import LineSplitter
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
 from .runtime import context
@@ -63,8 +65,14 @@ def main() -> None:
     os._exit(code)
 
 
-def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
-    """Run one rank to completion; returns the process exit code."""
+def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
+             parent_forwards_output: bool = False) -> int:
+    """Run one rank to completion; returns the process exit code.
+
+    `parent_forwards_output`: the process that started this one reads its stdout and stderr
+    and forwards them (the rank factory does), so that what this rank writes reaches the
+    driver even if it dies: this rank then only flushes line by line.
+    """
     global control
     channel = Channel.connect(control_address, secret, "control", CONNECT_TIMEOUT_S)
     control = channel
@@ -92,7 +100,7 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes) -> int:
         start_timeline_shipping()
     if store_port is not None:
         store_port.close()
-    with _ForwardedOutput(channel):
+    with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
         exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
         if exit_code == 0:
             context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
@@ -218,13 +226,28 @@ class _TimelineShipper:
         self._ship()
 
 
+class _LineBuffered:
+    """Output that the parent forwards: flushed line by line, and a native crash (segfault,
+    abort) writes every thread's Python stack to stderr before the process dies."""
+
+    def __enter__(self) -> "_LineBuffered":
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        faulthandler.enable(all_threads=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        faulthandler.disable()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 class _ForwardedOutput:
-    """Sends everything written to file descriptors 1 and 2 to the driver, line by line.
+    """Sends everything written to file descriptors 1 and 2 to the driver, line by line
+    (`output_lines.py`), for a rank whose parent does not forward its output.
 
     Redirecting the descriptors (not just `sys.stdout`) also catches output from C
-    extensions and child processes. A line ending in a carriage return (a tqdm bar
-    redrawing itself) is sent as a replacing line, and so is the text that finishes such a
-    bar with a newline, so the finished bar does not show twice.
+    extensions and child processes.
     """
 
     def __init__(self, channel: Channel):
@@ -244,9 +267,15 @@ class _ForwardedOutput:
             self._streams.append((fd, saved, reader, stream))
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
+        # A native crash kills the forwarding threads with the process: its stacks go to the
+        # original stderr instead, which whatever started this rank reads (a Spark task does).
+        self._crash_file = os.fdopen(os.dup(self._streams[1][1]), "w")
+        faulthandler.enable(file=self._crash_file, all_threads=True)
         return self
 
     def __exit__(self, *exc_info) -> None:
+        faulthandler.disable()
+        self._crash_file.close()
         for fd, saved, reader, stream in self._streams:
             stream.flush()
             os.dup2(saved, fd)  # closes our pipe's last write end: the reader sees EOF
@@ -254,32 +283,13 @@ class _ForwardedOutput:
             reader.join(timeout=10)
 
     def _forward(self, read_end: int, stream: str) -> None:
-        pending, after_carriage_return = "", False
+        splitter = LineSplitter()
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while True:
-                chunk = pipe.read(65536)
-                if not chunk:
-                    break
-                lines = []
-                pending += chunk.decode("utf-8", errors="replace")
-                while True:
-                    cut = min((i for i in (pending.find("\n"), pending.find("\r")) if i >= 0),
-                              default=-1)
-                    if cut < 0:
-                        break
-                    text, ending, pending = pending[:cut], pending[cut], pending[cut + 1:]
-                    if ending == "\r":
-                        if text:  # tqdm starts each redraw with \r: an empty text is no line
-                            lines.append((text, True))
-                        after_carriage_return = True
-                    else:
-                        if text or not after_carriage_return:  # "bar\r\n" adds no empty line
-                            lines.append((text, after_carriage_return))
-                        after_carriage_return = False
-                if lines:
+            while chunk := pipe.read(65536):
+                if lines := splitter.feed(chunk):
                     self._channel.send(("out", stream, lines))
-        if pending:
-            self._channel.send(("out", stream, [(pending, after_carriage_return)]))
+        if last := splitter.finish():
+            self._channel.send(("out", stream, last))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,23 @@ print(f"READY {os.getpid()}", flush=True)
 while True:
     hvd.allreduce(tensor)
 """,
+    "last_words.py": """
+import os, signal, sys, ddl_magic.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    print("KILL_AT the next line", flush=True)
+    sys.stderr.write("a line it never finished")
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+hvd.barrier()
+""",
+    "segfault.py": """
+import ctypes, ddl_magic.torch as hvd
+hvd.init()
+if hvd.rank() == 1:
+    ctypes.string_at(0)
+hvd.barrier()
+""",
 }
 
 
@@ -172,6 +189,31 @@ def test_killed_rank_stops_the_run_within_two_seconds_leaving_no_process(scripts
     assert elapsed < 2.0, f"ddlrun took {elapsed:.2f} s to stop after a rank was killed"
     assert "rank 1" in output and "killed by SIGKILL" in output
     assert not [pid for pid in ready.values() if process_exists(pid)]
+
+
+def log_dir(output):
+    return output.split("full logs in ")[-1].split()[0]
+
+
+def test_a_rank_killed_hard_keeps_its_last_words_even_an_unfinished_line(scripts):
+    run = LiveDdlrun("-np", "2", "python", "last_words.py", cwd=scripts)
+    output = run.rest(timeout=60)
+    assert run.process.returncode == 128 + signal.SIGKILL
+    lines = output.splitlines()
+    said = lines.index("[1] KILL_AT the next line")
+    unfinished = lines.index("[1] a line it never finished")
+    failed = next(i for i, line in enumerate(lines) if "rank 1" in line and "killed by SIGKILL" in line)
+    assert said < unfinished < failed  # shown before the rank is reported failed
+    with open(os.path.join(log_dir(output), "rank-1.log")) as log:
+        assert log.read().splitlines()[-2:] == ["KILL_AT the next line", "a line it never finished"]
+
+
+def test_a_segfault_shows_the_python_stack_of_every_thread(scripts):
+    result = ddlrun("-np", "2", "python", "segfault.py", cwd=scripts)
+    assert result.returncode == 128 + signal.SIGSEGV
+    assert "[1] Fatal Python error: Segmentation fault" in result.stdout + result.stderr
+    assert 'segfault.py", line 5 in <module>' in result.stdout + result.stderr
+    assert "killed by SIGSEGV" in result.stderr
 
 
 @pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])

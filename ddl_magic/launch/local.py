@@ -12,21 +12,20 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 
-from ..events import ProcessExited
+from ..events import ProcessExited, RankOutput
 from .rank_factory import FrameReader, write_frame
 
 START_TIMEOUT_S = 60.0
 
 
 class _RankFactory:
-    """The parent's handle on the factory process: fork a rank, hear when one exits."""
+    """The parent's handle on the factory process: fork a rank, hear what it writes and when
+    it exits."""
 
     def __init__(self):
         self._process = subprocess.Popen(
@@ -36,18 +35,21 @@ class _RankFactory:
         self._ids = itertools.count()
         self._started: dict[int, queue.Queue] = {}
         self._exit_listeners: dict[int, callable] = {}
+        self._output_listeners: dict[int, callable] = {}  # by request id until started, then by pid
         self._early_exits: dict[int, int] = {}  # exits heard before anyone listened for them
         threading.Thread(target=self._read_replies, name="ddl-rank-factory", daemon=True).start()
 
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def fork_rank(self, request: dict, on_exit) -> int:
-        """Start one rank; `on_exit(returncode)` is called from another thread when it ends."""
+    def fork_rank(self, request: dict, on_exit, on_output) -> int:
+        """Start one rank. From another thread, `on_output(stream, lines)` is called with what
+        it writes, then `on_exit(returncode)` once it has ended and all it wrote was read."""
         request_id = next(self._ids)
         reply: queue.Queue = queue.Queue()
         with self._lock:
             self._started[request_id] = reply
+            self._output_listeners[("request", request_id)] = on_output
             write_frame(self._process.stdin.fileno(), {**request, "id": request_id})
         try:
             pid = reply.get(timeout=START_TIMEOUT_S)
@@ -80,8 +82,16 @@ class _RankFactory:
             for kind, key, value in messages:
                 with self._lock:
                     if kind == "started":
+                        on_output = self._output_listeners.pop(("request", key))
+                        self._output_listeners[value] = on_output
                         self._started.pop(key).put(value)
                         continue
+                    if kind == "out":  # after its exit: a process the rank started lives on
+                        listener = self._output_listeners.get(key)
+                        if listener is not None:
+                            listener(*value)
+                        continue
+                    self._output_listeners.pop(key, None)
                     listener = self._exit_listeners.pop(key, None)
                     if listener is None:
                         self._early_exits[key] = value
@@ -113,11 +123,12 @@ class LocalLauncher:
     bind_host = "127.0.0.1"
     advertised_host = "127.0.0.1"
     where = "local processes"
+    # The rank factory reads every rank's output and reports its exit after all of it.
+    forwards_output = True
 
     def __init__(self):
         self._pids: list[int] = []
         self._exited: dict[int, threading.Event] = {}
-        self._boot_dir = tempfile.mkdtemp(prefix="ddl_magic-boot-")
 
     def check(self, np: int) -> None:
         """Nothing to check up front: any number of local processes can start."""
@@ -142,18 +153,20 @@ class LocalLauncher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys_path if p)  # for what ranks start
         factory = rank_factory()
         for rank in range(np):
-            boot_log = os.path.join(self._boot_dir, f"rank-{rank}.log")
             exited = threading.Event()
 
-            def on_exit(returncode: int, rank=rank, boot_log=boot_log, exited=exited) -> None:
-                events.put(ProcessExited(rank, returncode, _take_boot_log(boot_log)))
+            def on_exit(returncode: int, rank=rank, exited=exited) -> None:
+                events.put(ProcessExited(rank, returncode))
                 exited.set()
+
+            def on_output(stream: str, lines: list, rank=rank) -> None:
+                for text, replace in lines:
+                    events.put(RankOutput(rank, stream, text, replace))
 
             pid = factory.fork_rank(
                 {"rank": rank, "control": control_address, "secret": secret, "env": env,
-                 "cwd": os.getcwd(), "sys_path": sys_path,
-                 "boot_log": boot_log},
-                on_exit)
+                 "cwd": os.getcwd(), "sys_path": sys_path},
+                on_exit, on_output)
             self._pids.append(pid)
             self._exited[pid] = exited
 
@@ -165,21 +178,10 @@ class LocalLauncher:
             if not self._exited[pid].wait(grace_s):
                 _signal_group(pid, signal.SIGKILL)
                 self._exited[pid].wait(5)
-        shutil.rmtree(self._boot_dir, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
         return list(self._pids)
-
-
-def _take_boot_log(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        os.unlink(path)
-    except FileNotFoundError:
-        return ""
-    return text
 
 
 def _signal_group(pid: int, signum: int) -> None:

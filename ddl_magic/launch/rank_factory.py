@@ -10,7 +10,13 @@ The factory talks to its parent over its stdin and stdout, which only that paren
 
     parent ── fork(request) ──► factory ── os.fork() ──► rank: setsid, cwd, sys.path,
     parent ◄── ("started", id, pid) ──                         environment, run the worker
+    parent ◄── ("out", pid, (stream, lines)) ── (what the rank wrote, line by line)
     parent ◄── ("exited", pid, returncode) ── (when the factory reaps a rank)
+
+The factory owns each rank's output: a rank's stdout and stderr are pipes whose read ends
+only the factory holds, so whatever the rank wrote before it died (a segfault, the OOM
+killer, SIGKILL, `os._exit`) is read and sent on, and a rank's exit is reported only after
+everything it wrote, its last unfinished line included.
 
 The factory exits when its stdin closes, that is when its parent exits.
 """
@@ -25,6 +31,9 @@ import signal
 import struct
 import sys
 import traceback
+from dataclasses import dataclass, field
+
+from ..output_lines import LineSplitter
 
 _LENGTH = struct.Struct("!Q")
 
@@ -59,8 +68,17 @@ class FrameReader:
         return messages
 
 
+@dataclass
+class _RankStream:
+    """The factory's end of one rank's stdout or stderr pipe."""
+
+    pid: int
+    stream: str  # "stdout" or "stderr"
+    lines: LineSplitter = field(default_factory=LineSplitter)
+
+
 def serve() -> None:
-    """The factory's loop: fork a rank per request, report every rank's exit."""
+    """The factory's loop: fork a rank per request, forward its output, report its exit."""
     import torch  # the point of the factory: imported once, before any fork
 
     from .. import worker  # noqa: F401
@@ -75,14 +93,18 @@ def serve() -> None:
     signal.set_wakeup_fd(child_exits_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     requests = FrameReader(0)
+    streams: dict[int, _RankStream] = {}  # read end -> whose stream it is
     while True:
         try:
-            readable, _, _ = select.select([0, child_exits_r], [], [])
+            readable, _, _ = select.select([0, child_exits_r, *streams], [], [])
         except InterruptedError:
             continue
+        for fd in readable:
+            if fd in streams:
+                _forward(streams, fd, until_empty=False)
         if child_exits_r in readable:
             os.read(child_exits_r, 4096)
-            _report_exits()
+            _report_exits(streams)
         if 0 in readable:
             messages = requests.read()
             if messages is None:
@@ -90,13 +112,38 @@ def serve() -> None:
                 # second), during which this process would still hold the parent's stderr.
                 os._exit(0)
             for request in messages:
+                pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
                 pid = os.fork()
                 if pid == 0:
-                    _become_rank(request, child_exits_r, child_exits_w)
+                    _become_rank(request, pipes, child_exits_r, child_exits_w, *streams)
+                for stream, (read_end, write_end) in pipes.items():
+                    os.close(write_end)  # before the next fork: only this rank may hold it
+                    os.set_blocking(read_end, False)
+                    streams[read_end] = _RankStream(pid, stream)
                 write_frame(1, ("started", request["id"], pid))
 
 
-def _report_exits() -> None:
+def _forward(streams: dict[int, _RankStream], fd: int, until_empty: bool) -> None:
+    """Send on what the rank wrote to `fd`: one read, or `until_empty` all there is. At the
+    end of the stream, its unfinished last line too."""
+    rank_stream = streams[fd]
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        lines = rank_stream.lines.feed(chunk) if chunk else rank_stream.lines.finish()
+        if lines:
+            write_frame(1, ("out", rank_stream.pid, (rank_stream.stream, lines)))
+        if not chunk:
+            os.close(fd)
+            del streams[fd]
+            return
+        if not until_empty:
+            return
+
+
+def _report_exits(streams: dict[int, _RankStream]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -104,11 +151,16 @@ def _report_exits() -> None:
             return
         if pid == 0:
             return
+        # Everything it wrote is in its pipes now (more only if a child of its own lives on).
+        for fd in [fd for fd, rank_stream in streams.items() if rank_stream.pid == pid]:
+            _forward(streams, fd, until_empty=True)
         write_frame(1, ("exited", pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become_rank(request: dict, *factory_fds: int) -> None:
-    """In the forked child: become a rank as if freshly started, run it, and exit."""
+def _become_rank(request: dict, pipes: dict[str, tuple[int, int]], *factory_fds: int) -> None:
+    """In the forked child: become a rank as if freshly started, run it, and exit.
+
+    Its stdout and stderr are the write ends of `pipes`, which the factory reads."""
     code = 1
     try:
         os.setsid()  # its own process group: stopping the rank stops what it starts too
@@ -117,10 +169,11 @@ def _become_rank(request: dict, *factory_fds: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         for fd in factory_fds:
             os.close(fd)
-        boot_log = os.open(request["boot_log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(boot_log, 1)
-        os.dup2(boot_log, 2)
+        for fd, (read_end, write_end) in zip((1, 2), (pipes["stdout"], pipes["stderr"])):
+            os.close(read_end)
+            os.dup2(write_end, fd)
+            os.close(write_end)
         os.chdir(request["cwd"])
         sys.path[:] = request["sys_path"]
         os.environ.clear()
@@ -130,7 +183,8 @@ def _become_rank(request: dict, *factory_fds: int) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
         from .. import worker
 
-        code = worker.run_rank(request["control"], request["rank"], request["secret"])
+        code = worker.run_rank(request["control"], request["rank"], request["secret"],
+                               parent_forwards_output=True)
         atexit._run_exitfuncs()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -61,6 +61,7 @@ class SparkLauncher:
     """
 
     where = "Spark barrier tasks"
+    forwards_output = False  # each rank forwards its own, over its control connection
 
     def __init__(self, spark=None, data=None):
         """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned
