@@ -8,8 +8,9 @@ driver's main thread drains. A connection that fails the handshake is dropped wi
 disturbing the run.
 
 Whatever starts a rank on another machine (a Spark task) may also connect, with the purpose
-``"task"``, to say in one message that the rank's process ended (`report_rank_exit`): the
-driver then hears at once of a rank that died before it could register.
+``"task"`` (`TaskRelay`): it forwards what the rank's process writes, line by line, and then
+says that the process ended, after all of its output. The driver so hears a rank's last
+words even when it was killed, and at once of a rank that died before it could register.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class ControlServer:
         self._settings = settings
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
+        self._task_channels: set[Channel] = set()
         self._registrations: dict[int, tuple] = {}
         self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
@@ -73,7 +75,7 @@ class ControlServer:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels = list(self._channels.values())
+            channels = [*self._channels.values(), *self._task_channels]
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() does not
         except OSError:
@@ -101,12 +103,14 @@ class ControlServer:
         rank = None
         try:
             if purpose == "task":
-                self._relay_rank_exit(channel)
+                self._relay_task(channel)
                 return
             rank = self._register(channel)
             if rank is not None:
                 self._relay(channel, rank)
         except (OSError, PeerClosedError, EOFError):
+            pass
+        except Exception:  # a malformed message (it passed the handshake): the connection ends, the run goes on
             pass
         finally:
             channel.close()
@@ -164,11 +168,29 @@ class ControlServer:
                 self._finished.add(rank)
                 self.events.put(RankFailed(rank, host, *message[1:]))
 
-    def _relay_rank_exit(self, channel: Channel) -> None:
-        channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        _, rank, host, returncode, output = channel.recv()
-        if 0 <= rank < self.np:
-            self.events.put(ProcessExited(rank, returncode, output, host))
+    def _relay_task(self, channel: Channel) -> None:
+        """What a task relays for its rank: output lines, then the process's end."""
+        with self._lock:
+            if self._closed:
+                return
+            self._task_channels.add(channel)
+        try:
+            while True:
+                message = channel.recv()
+                rank = message[1]
+                if not 0 <= rank < self.np:
+                    return
+                if message[0] == "out":
+                    _, _, stream, lines = message
+                    for text, replace in lines:
+                        self.events.put(RankOutput(rank, stream, text, replace))
+                elif message[0] == "exited":
+                    _, _, host, returncode, output = message
+                    self.events.put(ProcessExited(rank, returncode, output, host))
+                    return
+        finally:
+            with self._lock:
+                self._task_channels.discard(channel)
 
     def _connection_ended(self, rank: int) -> None:
         with self._lock:
@@ -179,12 +201,24 @@ class ControlServer:
             self.events.put(RankFailed(rank, host, "", "connection lost"))
 
 
-def report_rank_exit(control_address: tuple[str, int], secret: bytes, rank: int, host: str,
-                     returncode: int | None, output: str) -> None:
-    """Tell the run's driver that rank `rank`'s process ended (`returncode` None: it could not
-    start, and `output` says why). Raises OSError if the driver cannot be reached."""
-    channel = Channel.connect(control_address, secret, "task", HANDSHAKE_TIMEOUT_S)
-    try:
-        channel.send(("exited", rank, host, returncode, output))
-    finally:
-        channel.close()
+class TaskRelay:
+    """The side of whatever starts a rank (a Spark task): relays the rank process's output
+    and then its end to the run's driver. Raises OSError if the driver cannot be reached."""
+
+    def __init__(self, control_address: tuple[str, int], secret: bytes, rank: int):
+        self.rank = rank
+        self._channel = Channel.connect(control_address, secret, "task", HANDSHAKE_TIMEOUT_S)
+        self._channel.sock.settimeout(None)
+        self._lock = threading.Lock()  # stdout and stderr are forwarded from two threads
+
+    def output(self, stream: str, lines: list) -> None:
+        with self._lock:
+            self._channel.send(("out", self.rank, stream, lines))
+
+    def exited(self, host: str, returncode: int | None, output: str) -> None:
+        """The rank's process ended (`returncode` None: it could not start, `output` says why)."""
+        with self._lock:
+            self._channel.send(("exited", self.rank, host, returncode, output))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -56,7 +56,10 @@ def main() -> None:
     host, port = address.rsplit(":", 1)
     with os.fdopen(int(os.environ["DDL_MAGIC_SECRET_FD"]), "rb") as pipe:
         secret = pipe.read()
-    code = run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret)
+    # Set by a Spark task that reads this process's output and relays it to the driver.
+    forwarded = os.environ.pop("DDL_MAGIC_OUTPUT_FORWARDED", "") == "1"
+    code = run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret,
+                    parent_forwards_output=forwarded)
     # The result is reported: skip the interpreter's slow teardown of torch (seconds under
     # load), which would only delay the end of the run.
     atexit._run_exitfuncs()

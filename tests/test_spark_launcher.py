@@ -202,6 +202,31 @@ def test_a_rank_that_dies_before_it_registers_shows_what_it_printed(spark, execu
     assert "ModuleNotFoundError: No module named" in failure.value.traceback
 
 
+def last_words_then_sigkill():
+    import os
+    import signal
+    import sys
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        print("KILL_AT the next line", flush=True)
+        sys.stderr.write("a line it never finished")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.barrier()
+
+
+def test_a_rank_killed_hard_keeps_its_last_words(spark):
+    with pytest.raises(RankFailedError) as failure:
+        run_on_spark(last_words_then_sigkill, 2)
+    assert (failure.value.rank, failure.value.reason) == (1, "killed by SIGKILL")
+    with open(os.path.join(ddl_magic.last_run().log_dir, "rank-1.log")) as log:
+        assert log.read().splitlines()[-2:] == ["KILL_AT the next line", "a line it never finished"]
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
+
+
 def test_a_failed_spark_task_is_reported_as_its_rank_failing(spark, executors_use):
     executors_use("/nonexistent/python3")
     started = time.monotonic()

@@ -19,9 +19,11 @@ Three Spark behaviours shape this module:
   that itself over the control channel), and an attempt after the first returns at once, so
   a failure never starts the training a second time.
 - The job returns only when every task has ended, but a rank that dies before it registers
-  would leave the others waiting for it. Each task therefore tells the driver's control
-  server at once when its rank's process ends (`report_rank_exit`); a task that cannot
-  (its Python lacks ddl_magic, the driver is out of reach) says so in the row it returns.
+  would leave the others waiting for it. Each task therefore relays to the driver's control
+  server (`control.TaskRelay`) what its rank's process writes, then at once that it ended;
+  a task that cannot (its Python lacks ddl_magic, the driver is out of reach) says so in the
+  row it returns. The task, not the rank, reading the rank's output means a rank killed
+  mid-line still has its last words shown.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class SparkLauncher:
     """
 
     where = "Spark barrier tasks"
-    forwards_output = False  # each rank forwards its own, over its control connection
+    forwards_output = True  # each task relays its rank's output, then its exit
 
     def __init__(self, spark=None, data=None):
         """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned
@@ -271,6 +273,7 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
     import socket
     import subprocess
     import sys
+    import threading
 
     from pyspark import BarrierTaskContext
 
@@ -280,12 +283,22 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
         return  # Spark retried the task after a failure: a rank never runs twice
     host = socket.gethostname()
 
+    relay = None
+    try:
+        from ddl_magic.control import TaskRelay
+
+        relay = TaskRelay(control_address, secret, rank)
+    except (ImportError, OSError):
+        pass  # the rank forwards its own output; this task reports in the row it returns
+
     def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
         read_end, write_end = os.pipe()
         env = dict(os.environ, **(extra_env or {}),
                    DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
                    DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
                    PYTHONUNBUFFERED="1")
+        if relay is not None:
+            env["DDL_MAGIC_OUTPUT_FORWARDED"] = "1"
         gpus = task.resources().get("gpu")
         if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
@@ -294,15 +307,36 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
                 process = subprocess.Popen(
                     [sys.executable, "-m", "ddl_magic.worker"], env=env,
                     pass_fds=(read_end, *extra_fds), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE if relay is not None else subprocess.STDOUT)
             except OSError as exc:
                 return None, f"cannot start {sys.executable} on {host}: {exc}"
             finally:
                 for fd in (read_end, *extra_fds):
                     os.close(fd)
             pipe.write(secret)
+        if relay is not None:
+            from ddl_magic.output_lines import LineSplitter
+
+            def forward(pipe, stream):
+                lines = LineSplitter()
+                while chunk := pipe.read1(65536):
+                    if complete := lines.feed(chunk):
+                        relay.output(stream, complete)
+                if last := lines.finish():
+                    relay.output(stream, last)
+
+            forwarders = [threading.Thread(target=forward, args=(pipe, stream), daemon=True)
+                          for pipe, stream in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
+            for forwarder in forwarders:
+                forwarder.start()
         if while_it_starts is not None:
             while_it_starts()
+        if relay is not None:
+            returncode = process.wait()
+            for forwarder in forwarders:  # all it wrote, unless a child of its own lives on
+                forwarder.join(timeout=5)
+            return returncode, ""
         # The rank forwards its output over the control channel once registered; what arrives
         # here is what it printed before that (e.g. why it could not connect) or after.
         tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
@@ -331,13 +365,14 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
                 shards.remove_shard(shard)
         else:
             returncode, output = run_rank()
-    try:
-        from ddl_magic.control import report_rank_exit
-
-        report_rank_exit(control_address, secret, rank, host, returncode, output)
-        reported = True
-    except (ImportError, OSError):  # the row below is the driver's only word of it
-        reported = False
+    reported = False
+    if relay is not None:
+        try:
+            relay.exited(host, returncode, output)
+            reported = True
+        except OSError:  # the row below is the driver's only word of it
+            pass
+        relay.close()
     result = {"rank": rank, "host": host, "returncode": returncode, "output": output,
               "reported": reported}
     if not as_arrow:
