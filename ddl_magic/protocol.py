@@ -34,6 +34,7 @@ _LENGTH = struct.Struct("!Q")
 ABORTED_EXIT_CODE = 143  # 128 + SIGTERM: what a rank exits with when the driver stops it
 _NONCE_BYTES = 32
 _HANDSHAKE_FRAME_LIMIT = 256
+_PREALLOCATED_FRAME_BYTES = 16 << 20
 
 
 class AuthenticationError(ConnectionError):
@@ -85,8 +86,18 @@ def _recv_frame(sock: socket.socket, limit: int | None = None) -> bytes:
     (length,) = _LENGTH.unpack(header)
     if limit is not None and length > limit:
         raise AuthenticationError(f"handshake frame of {length} bytes refused (limit {limit})")
-    body = bytearray(length)
-    recv_exactly(sock, memoryview(body))
+    if length <= _PREALLOCATED_FRAME_BYTES:
+        body = bytearray(length)
+        recv_exactly(sock, memoryview(body))
+        return bytes(body)
+    # A large frame's memory grows with the bytes that arrive: a header announcing more than
+    # will ever come (a bug, or garbage) must not make this process zero gigabytes first.
+    body = bytearray()
+    while len(body) < length:
+        chunk = sock.recv(min(length - len(body), _PREALLOCATED_FRAME_BYTES))
+        if not chunk:
+            raise PeerClosedError("connection closed by peer")
+        body += chunk
     return bytes(body)
 
 

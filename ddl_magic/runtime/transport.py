@@ -203,11 +203,17 @@ def _accept_expected(listener: socket.socket, secret: bytes, expected: set, acce
         try:
             channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord"},
                                               min(HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+        except (OSError, AuthenticationError, PeerClosedError):
+            return  # refused: it does not count, and the run goes on
+        try:
             channel.sock.settimeout(max(0.1, deadline - time.monotonic()))
             rank = channel.recv()
             channel.sock.settimeout(None)
-        except (OSError, AuthenticationError, PeerClosedError):
-            return  # refused: it does not count, and the run goes on
+            if not isinstance(rank, int):
+                raise ValueError(f"expected a rank, got {type(rank).__name__}")
+        except Exception:  # gone, silent, or its first message is no rank: refused the same way
+            channel.close()
+            return
         with lock:
             if (purpose, rank) in expected and (purpose, rank) not in accepted:
                 accepted[(purpose, rank)] = channel
