@@ -1,0 +1,71 @@
+"""A hundred `%%horovod` runs in one notebook kernel leave it as they found it: the same open
+files, threads and child processes, and its memory within 20 MB."""
+
+import json
+
+import pytest
+
+from kernel import Kernel
+
+RUNS = 100
+RSS_GROWTH_LIMIT = 20 * 2**20
+
+SETUP = """
+%load_ext ddl_magic
+import gc, json, os, threading, time
+import psutil
+
+def snapshot():
+    gc.collect()
+    me = psutil.Process()
+    return {"fds": sorted(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+            "children": sorted(c.pid for c in me.children(recursive=True)),
+            "rss": me.memory_info().rss}
+
+def settled(baseline, timeout_s=30):
+    '''The snapshot once threads and processes of the last run have ended (or the timeout).'''
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = snapshot()
+        same = all(now[key] == baseline[key] for key in ("fds", "threads", "children"))
+        if same or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+BODY = "import torch, ddl_magic.torch as hvd\\nhvd.init()\\nprint(hvd.allreduce(torch.ones(2)).tolist())"
+"""
+
+WARM_UP = """
+for _ in range(3):  # the rank factory, first imports, the widgets' first use
+    get_ipython().run_cell_magic("horovod", "-np 2", BODY)
+baseline = settled(snapshot(), timeout_s=5)
+"""
+
+SOAK = f"""
+for _ in range({RUNS}):
+    get_ipython().run_cell_magic("horovod", "-np 2", BODY)
+after = settled(baseline)
+print(json.dumps({{"baseline": baseline, "after": after}}))
+"""
+
+
+@pytest.fixture
+def kernel():
+    kernel = Kernel()
+    yield kernel
+    kernel.close()
+
+
+def test_a_hundred_runs_leave_the_kernel_as_they_found_it(kernel):
+    for cell in (SETUP, WARM_UP):
+        out = kernel.run(cell, timeout=180)
+        assert out.error is None, out.error
+    out = kernel.run(SOAK, timeout=900)
+    assert out.error is None, out.error
+    state = json.loads(out.stdout.strip().splitlines()[-1])
+    baseline, after = state["baseline"], state["after"]
+    assert after["fds"] == baseline["fds"]
+    assert after["threads"] == baseline["threads"]
+    assert after["children"] == baseline["children"]  # the rank factory, no rank left
+    assert after["rss"] - baseline["rss"] < RSS_GROWTH_LIMIT, (
+        f"RSS grew by {(after['rss'] - baseline['rss']) / 2**20:.1f} MB over {RUNS} runs")
