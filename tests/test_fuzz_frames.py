@@ -64,6 +64,19 @@ def throw(address, data: bytes, secret: bytes | None = None, purpose: str = "") 
             pass  # reset or closed mid-send: refused
 
 
+def throw_strangers_and_garbage(address, secret: bytes, purposes: list[str]) -> None:
+    """Every example: a stranger's bytes, then bytes after a proper handshake."""
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(before=raw_frames, after=after_handshake, purpose=st.sampled_from(purposes))
+    def strangers_and_garbage(before, after, purpose):
+        throw(address, before)
+        throw(address, after, secret, purpose)
+
+    strangers_and_garbage()
+
+
 def fuzz_the_control_port_then_allreduce():
     import torch
 
@@ -73,16 +86,8 @@ def fuzz_the_control_port_then_allreduce():
 
     hvd.init()
     if hvd.rank() == 0:
-        address, secret = worker.control.sock.getpeername(), context.bootstrap.secret
-
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(before=raw_frames, after=after_handshake, purpose=st.sampled_from(["control", "task"]))
-        def strangers_and_garbage(before, after, purpose):
-            throw(address, before)
-            throw(address, after, secret, purpose)
-
-        strangers_and_garbage()
+        throw_strangers_and_garbage(worker.control.sock.getpeername(), context.bootstrap.secret,
+                                    ["control", "task"])
     return hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist()
 
 
@@ -112,15 +117,7 @@ def test_a_ring_listener_refuses_every_bad_frame_and_still_accepts_its_peer(thre
         acceptor = threading.Thread(target=_accept_expected, daemon=True, args=(
             listener, secret, {("ring", EXPECTED_RANK)}, accepted, time.monotonic() + 120))
         acceptor.start()
-
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(before=raw_frames, after=after_handshake, purpose=st.sampled_from(["ring", "coord"]))
-        def strangers_and_garbage(before, after, purpose):
-            throw(address, before)
-            throw(address, after, secret, purpose)
-
-        strangers_and_garbage()
+        throw_strangers_and_garbage(address, secret, ["ring", "coord"])
         assert accepted == {}
         peer = Channel.connect(address, secret, "ring", timeout=15)
         peer.send(EXPECTED_RANK)

@@ -26,7 +26,6 @@ from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression, Compressor
 from .ops import _allreduce_into, sparse_allreduce_async, synchronize
 from .process_sets import on_global_process_set
-from .sharded_optimizer import sharded
 
 # DDP's default bucket size (bucket_cap_mb=25): an allreduce of 25 MiB takes long enough on
 # the wire that its fixed cost hardly counts, yet a large model still gets several buckets,
@@ -374,6 +373,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         if groups is not None:
             raise ValueError("DistributedOptimizer(shard_optimizer_state=True) reduce-scatters "
                              "each dtype's gradients in one pass: groups and num_groups do not apply")
+        from .sharded_optimizer import sharded  # it builds on this module
+
         prescale, postscale = _predivided(gradient_predivide_factor)
         every = [p for group in optimizer.param_groups for p in group["params"]]
         return sharded(optimizer, _parameter_names(every, named_parameters), compression, reduce_op, prescale, postscale,

@@ -32,7 +32,6 @@ is then exactly the unsharded optimizer's, loadable into either.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -43,6 +42,7 @@ from .compression import Compressor
 from .functions import allgather_object, broadcast_object
 from .ops import (allgather_into_async, allreduce, rank, reducescatter_parts_async_, size,
                   synchronize)
+from .optimizer import _DistributedOptimizer
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
@@ -208,14 +208,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                                  "dense gradients; for nn.Embedding(sparse=True) and other "
                                  "sparse gradients pass sparse_as_dense=True as well")
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """For `optimizer.synchronize(); optimizer.clip_grad_norm_(...); with optimizer.skip_synchronize(): optimizer.step()`."""
-        self._skip_synchronize = True
-        try:
-            yield
-        finally:
-            self._skip_synchronize = False
+    # `optimizer.synchronize(); optimizer.clip_grad_norm_(...); with optimizer.skip_synchronize(): ...`
+    skip_synchronize = _DistributedOptimizer.skip_synchronize
 
     def step(self, closure=None):
         if closure is not None:
