@@ -33,6 +33,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   size, sparse_allreduce_async, synchronize)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline, timeline_span
 
 _backend.register()  # dist.init_process_group("ddl") works wherever this is imported
@@ -49,7 +50,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "alltoall", "alltoall_async", "sparse_allreduce_async", "poll", "synchronize", "join",
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
-    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "SyncBatchNorm",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError",
 ]
