@@ -23,7 +23,7 @@ from .control import ControlServer
 from .events import (ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
                      TimelineBatch, TimelineStarted)
 from .launch.local import describe_exit
-from .protocol import ABORTED_EXIT_CODE, new_secret
+from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .ui import make_display
 
@@ -135,6 +135,7 @@ class Job:
         # inherit the notebook's environment.
         transport = transport_choice(options.env.get(TRANSPORT_VARIABLE,
                                                      os.environ.get(TRANSPORT_VARIABLE)))
+        peer_timeout_s()  # a bad DDL_MAGIC_PEER_TIMEOUT is refused before anything starts
         if options.use_gpu:
             self.launcher.check_gpus(self.np)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
@@ -154,6 +155,8 @@ class Job:
         _last_run = record
         events: queue.Queue = queue.Queue()
         env = {**options.env, TRANSPORT_VARIABLE: transport}
+        if PEER_TIMEOUT_VARIABLE in os.environ:
+            env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
         settings = {"env": env, "run_id": run_id, "timeline": timeline_path is not None,
@@ -303,10 +306,13 @@ class _RunWatcher:
             return  # the process exit and the lost connection report the same end
         rank.ended_at = time.time()
         stopped_by_us = self._stopping or (
-            self._failures and failure.reason in ("connection lost", describe_exit(ABORTED_EXIT_CODE)))
+            self._failures and failure.reason == describe_exit(ABORTED_EXIT_CODE))
         if stopped_by_us:  # because another rank failed, or the run was interrupted
             rank.status = "stopped"
             return
+        # A lost connection after another failure is a rank we stopped, or one that died on
+        # its own (killed while another's report was on its way): its exit status tells,
+        # and `_raise_failure` reads it.
         rank.status, rank.reason = "failed", failure.reason
         if failure.traceback:
             self._logs[failure.rank].write(failure.traceback)
@@ -341,20 +347,33 @@ class _RunWatcher:
             self.display.refresh()
 
     def _raise_failure(self) -> None:
-        """Show and raise the failure that caused the others, then the ranks it took down."""
-        causes = [f for f in self._failures if f.reason != "lost a peer"]
-        ordered = causes + [f for f in self._failures if f.reason == "lost a peer"]
-        shown = []
-        for failure in ordered:
+        """Show and raise the failure that caused the others, then the ranks it took down.
+
+        In order: ranks that died (a signal, an exit without a report) in the order heard
+        of, then ranks that raised, in the order they raised, then ranks that only lost a
+        peer. A rank that dies is never the consequence of another's failure (the driver
+        stops the others itself, and their exit status says so), while an exception often
+        is: torch's gloo raises "connection reset" in every rank whose peer was killed, and
+        on a busy machine that report can arrive first.
+        """
+        failures = []
+        for failure in self._failures:
             rank = self.record.ranks[failure.rank]
+            if (failure.reason == "connection lost" and failure is not self._failures[0]
+                    and rank.exit_code in (None, ABORTED_EXIT_CODE)):
+                rank.status, rank.reason = "stopped", ""  # the driver stopped it
+                continue
             if failure.reason == "connection lost" and rank.exit_code is not None:
                 # A dead process's connection drops first; its exit status says more.
                 failure = RankFailed(failure.rank, failure.host, failure.traceback,
-                                     describe_exit(rank.exit_code), rank.exit_code)
+                                     describe_exit(rank.exit_code), rank.exit_code, failure.at_ns)
                 rank.reason = failure.reason
+            failures.append(failure)
+        ordered = sorted(failures, key=lambda f: ({"lost a peer": 2, "exception": 1}.get(f.reason, 0),
+                                                   f.at_ns or 0))
+        for failure in ordered:
             self.display.handle(failure)
-            shown.append(failure)
-        first = shown[0]
+        first = ordered[0]
         self.record.status = "failed"
         self.record.error = f"rank {first.rank} failed: {first.reason}"
         raise RankFailedError(first.rank, first.host, first.reason, first.traceback,

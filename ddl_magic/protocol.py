@@ -34,6 +34,9 @@ _LENGTH = struct.Struct("!Q")
 ABORTED_EXIT_CODE = 143  # 128 + SIGTERM: what a rank exits with when the driver stops it
 _NONCE_BYTES = 32
 _HANDSHAKE_FRAME_LIMIT = 256
+PEER_TIMEOUT_VARIABLE = "DDL_MAGIC_PEER_TIMEOUT"
+DEFAULT_PEER_TIMEOUT_S = 10.0
+_KEEPALIVE_PROBES = 3
 _PREALLOCATED_FRAME_BYTES = 16 << 20
 
 
@@ -50,14 +53,40 @@ def new_secret() -> bytes:
     return os.urandom(32)
 
 
+def peer_timeout_s() -> float:
+    """`DDL_MAGIC_PEER_TIMEOUT`: the longest a silent peer, or a host that cannot be reached,
+    goes unnoticed on a connection of the run, in seconds (default 10)."""
+    value = os.environ.get(PEER_TIMEOUT_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_PEER_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{PEER_TIMEOUT_VARIABLE}={value!r} is not a number of seconds") from None
+    if seconds < 2:
+        raise ValueError(f"{PEER_TIMEOUT_VARIABLE}={value!r}: give at least 2 seconds, the time "
+                         "a few keepalive probes need")
+    return seconds
+
+
 def tune_socket(sock: socket.socket) -> None:
-    """Low latency for small messages, and keepalive so a vanished host is noticed in seconds."""
+    """Low latency for small messages, and a peer that falls silent noticed within
+    `peer_timeout_s()`: whether the connection is idle (keepalive probes from half the
+    timeout on, then one a second or so) or has data waiting for an acknowledgement
+    (TCP_USER_TIMEOUT), the kernel fails it once the peer has said nothing for that long."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    timeout = peer_timeout_s()
     if hasattr(socket, "TCP_KEEPIDLE"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        idle = max(1, int(timeout / 2))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL,
+                        max(1, int((timeout - idle) / _KEEPALIVE_PROBES)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        # A tenth early: the kernel acts on the first timer tick (a probe, a retransmission)
+        # after this deadline, which would otherwise land just past the timeout.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout * 900))
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
