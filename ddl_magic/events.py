@@ -52,6 +52,7 @@ class RankFailed:
     traceback: str
     reason: str  # "exception", "exit code N", "killed by SIGKILL", "connection lost", ...
     exit_code: int | None = None  # the exit status the rank reported, when it could report
+    at_ns: int | None = None  # when it raised, on the driver's monotonic clock, when it could report
 
 
 @dataclass(frozen=True)

@@ -136,11 +136,13 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tupl
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
             return 0, ("done", None)
-        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}", code)
+        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}", code,
+                      _driver_time_ns())
     except BaseException as exc:
+        failed_at_ns = _driver_time_ns()
         text = _user_traceback(exc)
         reason = "lost a peer" if isinstance(exc, HorovodInternalError) else "exception"
-        return 1, ("failed", text, reason, 1)
+        return 1, ("failed", text, reason, 1, failed_at_ns)
     if rank != 0 and not return_all:
         return 0, ("done", None)
     try:
@@ -163,6 +165,11 @@ def _user_traceback(exc: BaseException) -> str:
 
 def _is_machinery(filename: str) -> bool:
     return filename.startswith(_PACKAGE_DIR) or filename in ("<frozen runpy>", runpy.__file__)
+
+
+def _driver_time_ns() -> int:
+    """Now, on the driver's monotonic clock (what attribution compares failures by)."""
+    return time.monotonic_ns() + recorder.clock_offset_ns
 
 
 def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
