@@ -321,44 +321,6 @@ def check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count(hvd):
     return failures
 
 
-def check_only_the_global_process_set_and_no_ignored_arguments(hvd):
-    """Every collective runs on the global process set; anything else is refused, never ignored."""
-    failures = []
-    size = hvd.size()
-    everyone = hvd.ProcessSet(list(range(size)))
-    reduced = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=hvd.global_process_set)
-    again = hvd.allreduce(torch.ones(2), None, None, None, hvd.Sum, 1.0, 1.0, everyone)
-    if reduced.tolist() != [float(size)] * 2 or again.tolist() != [float(size)] * 2:
-        failures.append(f"allreduce over every rank gave {reduced.tolist()}, {again.tolist()}")
-    if (hvd.global_process_set.size(), hvd.global_process_set.rank()) != (size, hvd.rank()):
-        failures.append("global_process_set does not describe every rank")
-    if hvd.add_process_set(list(range(size))) is not hvd.global_process_set:
-        failures.append("add_process_set(every rank) is not the global process set")
-    refusals = {
-        "allreduce_async_": lambda: hvd.allreduce_async_(torch.ones(1), process_set=hvd.ProcessSet([0, size])),
-        "broadcast_parameters": lambda: hvd.broadcast_parameters({}, 0, hvd.ProcessSet([size])),
-        "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
-            process_set=hvd.ProcessSet([size])),
-        "add_process_set": lambda: hvd.add_process_set([size]),
-        "init(comm=...)": lambda: hvd.init(comm=object()),
-        "init(process_sets=...)": lambda: hvd.init(process_sets=[hvd.ProcessSet([0])]),
-    }
-    for call, attempt in refusals.items():
-        try:
-            attempt()
-            failures.append(f"{call} accepted a process set it does not have")
-        except NotImplementedError as exc:
-            if "has no process set" not in str(exc) and "does not use MPI" not in str(exc):
-                failures.append(f"{call} refused with {exc}")
-    try:
-        hvd.allgather(torch.ones(1), process_set="all")
-        failures.append("allgather accepted a string as its process set")
-    except TypeError:
-        pass
-    return failures
-
-
 # The last check leaves the ranks' unnamed calls out of step until it inits again: keep it last.
 CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_grouped_allgather_gradient, check_grouped_allreduce_forms,
@@ -367,7 +329,6 @@ CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_sparse_gradients_and_sparse_allreduce,
           check_step_after_synchronize_warns_and_parameter_names, check_reducescatter,
           check_failed_calls_leave_nothing_behind,
-          check_only_the_global_process_set_and_no_ignored_arguments,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]
 
 

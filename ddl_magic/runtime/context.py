@@ -8,10 +8,11 @@ Per-process state (the listener, the secret) lives in the bootstrap so that a pr
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import NotInitializedError
 from .collectives import CollectiveRunner
@@ -36,13 +37,20 @@ class RankBootstrap:
 
 @dataclass
 class Runtime:
-    world: World
+    """One ring and what runs collectives over it: every rank's (`init()`), or a process set's."""
+
+    world: World  # numbered within this ring: a process set's rank 0 is its lowest global rank
     queue: OpQueue
     transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical)
+    members: tuple[int, ...]  # the global rank of each of this ring's ranks, in its rank order
+    # Unnamed operations are named by how many of their kind this process submitted over this
+    # ring before: ranks that call them in the same order name them alike.
+    unnamed_submitted: collections.Counter = field(default_factory=collections.Counter)
 
 
 bootstrap: RankBootstrap | None = None
 _runtime: Runtime | None = None
+_subsets: list[Runtime] = []  # the process sets this rank belongs to, closed by shutdown()
 _lock = threading.Lock()
 
 
@@ -53,41 +61,86 @@ def init() -> Runtime:
         if _runtime is not None:
             return _runtime
         settings = Settings.from_environment()
-        host_group = cross = None
         if bootstrap is None:
             world = single_process_world()
             transport = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
+            _runtime = _runtime_over(world, transport, None, None, (0,), settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
-            hierarchical = (settings.hierarchical and settings.transport != "tcp"
-                            and world.uniform_hosts)
-            transport, cross = connect_ring(world, bootstrap.listener, bootstrap.secret,
-                                            timeout=settings.timeout_s,
-                                            op_timeout=settings.timeout_s, cross=hierarchical)
-            try:
-                if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
-                    host_group = connect_host_group(world, transport.coordination,
-                                                    settings.transport, settings.timeout_s)
-            except BaseException:
-                transport.close()
-                if cross is not None:
-                    cross.close()
-                raise
-            if host_group is None and cross is not None:  # no shared memory: the flat ring
-                cross.close()
-                cross = None
+            _runtime = _connect(world, bootstrap.listener, tuple(range(world.size)), settings)
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
-        runner = CollectiveRunner(transport, host_group, cross)
-        if runner.moves_data_by == "shm":  # one host: negotiate in lockstep through it too
-            queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
-                                                 settings.cycle_time_s, settings.stall_time_s,
-                                                 settings.timeout_s)
-        else:
-            queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
-                               settings.cycle_time_s, settings.stall_time_s)
-        _runtime = Runtime(world, queue, runner.moves_data_by)
         return _runtime
+
+
+def subset_listener() -> socket.socket:
+    """A listener for a process set's ring, on the address this rank's ring listener has."""
+    if bootstrap is None:
+        raise RuntimeError("a process set needs a launched run (a world of one has none)")
+    return socket.create_server((bootstrap.listener.getsockname()[0], 0))
+
+
+def connect_subset(members: tuple[int, ...], ports: dict[int, int],
+                   listener: socket.socket) -> Runtime:
+    """Form a ring over `members` (global ranks, ascending; this rank among them), each
+    listening on `ports[rank]` at its usual address, and run collectives over it.
+
+    Every member calls this with the same `members` and `ports`, agreed over the run's ring.
+    """
+    peers = [Peer(index, bootstrap.peers[rank].host,
+                  (bootstrap.peers[rank].address[0], ports[rank]))
+             for index, rank in enumerate(members)]
+    world = derive_world(members.index(bootstrap.rank), peers)
+    try:
+        runtime = _connect(world, listener, members, Settings.from_environment())
+    finally:
+        listener.close()
+    with _lock:
+        _subsets.append(runtime)
+    return runtime
+
+
+def close_subset(runtime: Runtime) -> None:
+    """Leave a process set's ring (its members call this together)."""
+    with _lock:
+        if runtime not in _subsets:
+            return
+        _subsets.remove(runtime)
+    runtime.queue.close()
+
+
+def _connect(world: World, listener: socket.socket, members: tuple[int, ...],
+             settings: Settings) -> Runtime:
+    """Connect this rank's ring in `world`, plus shared memory and a cross ring where they help."""
+    host_group = None
+    hierarchical = settings.hierarchical and settings.transport != "tcp" and world.uniform_hosts
+    transport, cross = connect_ring(world, listener, bootstrap.secret, timeout=settings.timeout_s,
+                                    op_timeout=settings.timeout_s, cross=hierarchical)
+    try:
+        if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
+            host_group = connect_host_group(world, transport.coordination, settings.transport,
+                                            settings.timeout_s)
+    except BaseException:
+        transport.close()
+        if cross is not None:
+            cross.close()
+        raise
+    if host_group is None and cross is not None:  # no shared memory: the flat ring
+        cross.close()
+        cross = None
+    return _runtime_over(world, transport, host_group, cross, members, settings)
+
+
+def _runtime_over(world, transport, host_group, cross, members, settings) -> Runtime:
+    runner = CollectiveRunner(transport, host_group, cross)
+    if runner.moves_data_by == "shm":  # one host: negotiate in lockstep through it too
+        queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
+                                             settings.cycle_time_s, settings.stall_time_s,
+                                             settings.timeout_s)
+    else:
+        queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
+                           settings.cycle_time_s, settings.stall_time_s)
+    return Runtime(world, queue, runner.moves_data_by, members)
 
 
 def _pin_gpu(local_rank: int) -> None:
@@ -98,10 +151,15 @@ def _pin_gpu(local_rank: int) -> None:
 
 
 def shutdown() -> None:
-    """Stop the background thread and close the ring. Harmless when not initialised."""
+    """Stop the background threads and close the rings (process sets' too). Harmless when
+    not initialised."""
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
+        subsets = _subsets[:]
+        _subsets.clear()
+    for subset in subsets:
+        subset.queue.close()
     if runtime is not None:
         runtime.queue.close()
 

@@ -8,10 +8,10 @@ import cloudpickle
 import torch
 
 from .ops import allgather, broadcast, broadcast_async_, rank, synchronize
-from .process_sets import on_global_process_set
+from .process_sets import on_process_set
 
 
-@on_global_process_set
+@on_process_set
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set=None) -> Any:
     """Return `root_rank`'s `obj` on every rank (any cloudpickle-able object).
@@ -31,7 +31,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     return cloudpickle.loads(payload.numpy().tobytes())
 
 
-@on_global_process_set
+@on_process_set
 def allgather_object(obj: Any, name: str | None = None, process_set=None) -> list[Any]:
     """Return the list of every rank's `obj`, in rank order."""
     name = name or "allgather_object"
@@ -45,7 +45,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set=None) -> lis
     return objects
 
 
-@on_global_process_set
+@on_process_set
 def broadcast_parameters(params: "dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",
                          root_rank: int = 0, process_set=None) -> None:
     """Overwrite every rank's parameters with `root_rank`'s, in place.
@@ -65,7 +65,7 @@ def broadcast_parameters(params: "dict[str, torch.Tensor] | Iterable[tuple[str, 
         synchronize(handle)
 
 
-@on_global_process_set
+@on_process_set
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               process_set=None) -> None:
     """Give every rank `root_rank`'s optimizer state (momenta, step counts, hyperparameters).

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import defaultdict
 from typing import Callable, Iterator
 
 import torch
@@ -26,17 +25,19 @@ from ..runtime import context
 from ..runtime.negotiation import Request
 from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
+from ..runtime.world import World
 from .compression import Compression
-from .process_sets import on_global_process_set
+from .process_sets import (active, active_runtime, add_at_init, entered, global_process_set,
+                           on_process_set)
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM,
                                            ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
 
-# An unnamed operation is named after how many of its kind this process submitted before it,
-# so ranks that call them in the same order name them alike. A call that raises consumes no
-# number, and the count restarts at every init(): ranks that form a ring together count
-# together, even if one submitted more than the others before a failure.
-_unnamed_submitted: dict[str, int] = defaultdict(int)
+# An unnamed operation is named after how many of its kind this process submitted over the
+# same ring before it, so ranks that call them in the same order name them alike. A call that
+# raises consumes no number, and the count restarts with every ring (each init(), each
+# process set): ranks that form a ring together count together, even if one submitted more
+# than the others before a failure.
 _unnamed_lock = threading.Lock()
 
 
@@ -46,29 +47,48 @@ def _op_name(kind: str, name: str | None) -> Iterator[str]:
     if name is not None:
         yield name
         return
+    counts = active_runtime(kind).unnamed_submitted
     with _unnamed_lock:
-        yield f"{kind}.noname.{_unnamed_submitted[kind]}"
-        _unnamed_submitted[kind] += 1
+        yield f"{kind}.noname.{counts[kind]}"
+        counts[kind] += 1
+
+
+def _ring(api: str) -> World:
+    """This rank's place in the ring the operation runs over (the active process set's)."""
+    return active_runtime(api).world
+
+
+def _backward_over_forward_set(function: type[torch.autograd.Function]):
+    """An autograd Function whose backward runs over the process set its forward ran over
+    (autograd calls backward later, outside the call that chose the set)."""
+    forward, backward = function.forward, function.backward
+
+    def forward_in_set(ctx, *args):
+        ctx.process_set = active()
+        return forward(ctx, *args)
+
+    def backward_in_set(ctx, *grads):
+        with entered(ctx.process_set):
+            return backward(ctx, *grads)
+
+    function.forward, function.backward = staticmethod(forward_in_set), staticmethod(backward_in_set)
+    return function
 
 
 def init(comm=None, process_sets=None) -> None:
     """Join the run's ring (or become a world of one outside a launcher). Safe to call twice.
 
-    Horovod's `comm` (an MPI communicator) and `process_sets` exist for its MPI and process-set
-    features, which ddl_magic does not have: anything but their defaults is refused.
+    `process_sets` (a list of `hvd.ProcessSet`) are added right away, as with
+    `hvd.add_process_set`; "dynamic" (Horovod's switch for adding them later) changes
+    nothing, since they can always be added later. Horovod's `comm` (an MPI communicator)
+    is refused: ddl_magic does not use MPI.
     """
     if comm is not None:
         raise NotImplementedError(
             "init(comm=...): ddl_magic starts its ranks itself and does not use MPI; call "
             "hvd.init() and launch with %%horovod, HorovodRunner or ddlrun")
-    if process_sets is not None and (process_sets == "dynamic" or list(process_sets)):
-        raise NotImplementedError(
-            f"init(process_sets={process_sets!r}): ddl_magic runs every collective over all "
-            "ranks and has no process sets besides hvd.global_process_set; call hvd.init() "
-            "without them")
-    if not context.is_initialized():
-        _unnamed_submitted.clear()
     context.init()
+    add_at_init(process_sets)
 
 
 def shutdown() -> None:
@@ -137,7 +157,7 @@ def synchronize(handle: Handle | GroupHandle) -> torch.Tensor | list[torch.Tenso
 
 def _submit(api: str, kind: str, tensor: torch.Tensor | None, output: torch.Tensor | None,
             name: str | None, wait_follows: bool = False, **fields) -> Handle:
-    queue = context.current(api).queue
+    queue = active_runtime(api).queue
     shape = tuple(tensor.shape) if tensor is not None else ()
     dtype = tensor.dtype if tensor is not None else torch.uint8
     with _op_name(kind, name) as op_name:
@@ -164,7 +184,7 @@ def _in_place_target(tensor: torch.Tensor, api: str) -> torch.Tensor:
 
 # ---- allreduce ----------------------------------------------------------------------------
 
-@on_global_process_set
+@on_process_set
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: int | None = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, process_set=None) -> Handle:
@@ -182,7 +202,7 @@ def _allreduce_now(tensor, average, name, op, prescale, postscale) -> torch.Tens
     return synchronize(handle)
 
 
-@on_global_process_set
+@on_process_set
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, process_set=None) -> Handle:
@@ -208,6 +228,7 @@ def check_reducible(tensor: torch.Tensor, api: str) -> None:
                         f"of {names} (allgather and broadcast take any dtype)")
 
 
+@_backward_over_forward_set
 class _DifferentiableAllreduce(torch.autograd.Function):
     """allreduce is linear, so its gradient is the allreduce of the incoming gradient."""
 
@@ -223,7 +244,7 @@ class _DifferentiableAllreduce(torch.autograd.Function):
         return reduced, None, None, None, None, None
 
 
-@on_global_process_set
+@on_process_set
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression=None, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
@@ -242,7 +263,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(reduced, ctx)
 
 
-@on_global_process_set
+@on_process_set
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: int | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, process_set=None) -> torch.Tensor:
@@ -252,7 +273,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                                        postscale_factor, "allreduce_", wait_follows=True))
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: int | None = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -277,7 +298,7 @@ def _grouped_allreduce(tensors, average, name, op, prescale, postscale, api, in_
                             for i, tensor in enumerate(tensors)])
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None,
                       name: str | None = None, compression=None, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -303,6 +324,7 @@ def _grouped_allreduce_now(tensors, average, name, op, prescale, postscale) -> l
     return synchronize(handle)
 
 
+@_backward_over_forward_set
 class _DifferentiableGroupedAllreduce(torch.autograd.Function):
     """Each tensor's gradient is the same grouped allreduce of the incoming gradients."""
 
@@ -317,7 +339,7 @@ class _DifferentiableGroupedAllreduce(torch.autograd.Function):
         return (None, *_grouped_allreduce_now(grads, average, None, op, prescale, postscale))
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: int | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -328,7 +350,7 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None =
                               "grouped_allreduce_async_", in_place=True)
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
                        name: str | None = None, op: int | None = None,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -343,7 +365,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
 
 # ---- allgather ----------------------------------------------------------------------------
 
-@on_global_process_set
+@on_process_set
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set=None) -> Handle:
     """Start concatenating every rank's `tensor` along dimension 0 (sizes may differ per rank)."""
     return _allgather_of(tensor, name, "allgather_async", wait_follows=False)
@@ -363,6 +385,7 @@ def _allgather_now(tensor, name=None) -> torch.Tensor:
     return synchronize(_allgather_of(tensor, name, "allgather", wait_follows=True))
 
 
+@_backward_over_forward_set
 class _DifferentiableAllgather(torch.autograd.Function):
     """The gradient of a rank's slice is the average over ranks of the gradient at that slice
     (Horovod's definition: ranks that compute the same loss get their own slice's gradient)."""
@@ -371,8 +394,9 @@ class _DifferentiableAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name):
         gathered = _allgather_now(tensor, name)
         dims = _allgather_now(torch.tensor([tensor.shape[0] if tensor.dim() else 1]))
-        ctx.start = int(dims[:rank()].sum())
-        ctx.length = int(dims[rank()])
+        me = _ring("allgather").rank
+        ctx.start = int(dims[:me].sum())
+        ctx.length = int(dims[me])
         return gathered
 
     @staticmethod
@@ -381,7 +405,7 @@ class _DifferentiableAllgather(torch.autograd.Function):
         return averaged[ctx.start:ctx.start + ctx.length], None
 
 
-@on_global_process_set
+@on_process_set
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0, in rank order."""
     if tensor.requires_grad:
@@ -389,7 +413,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set=None) -
     return _allgather_now(tensor, name)
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
                             process_set=None) -> GroupHandle:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
@@ -404,6 +428,7 @@ def _grouped_allgather(tensors, name, api, wait_follows) -> GroupHandle:
                             for i, source in enumerate(sources)])
 
 
+@_backward_over_forward_set
 class _DifferentiableGroupedAllgather(torch.autograd.Function):
     """Each tensor's gradient as in `allgather`: the average over ranks at this rank's slice."""
 
@@ -413,8 +438,9 @@ class _DifferentiableGroupedAllgather(torch.autograd.Function):
         gathered = synchronize(handle)
         # every rank's first dimensions: a row per rank, a column per tensor
         rows = _allgather_now(torch.tensor([[t.shape[0] if t.dim() else 1 for t in tensors]]))
-        ctx.starts = rows[:rank()].sum(0).tolist()
-        ctx.lengths = rows[rank()].tolist()
+        me = _ring("grouped_allgather").rank
+        ctx.starts = rows[:me].sum(0).tolist()
+        ctx.lengths = rows[me].tolist()
         return tuple(gathered)
 
     @staticmethod
@@ -425,7 +451,7 @@ class _DifferentiableGroupedAllgather(torch.autograd.Function):
                         in zip(synchronize(handle), ctx.starts, ctx.lengths)))
 
 
-@on_global_process_set
+@on_process_set
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set=None) -> list[torch.Tensor]:
     """Concatenate every rank's tensors along dimension 0, in rank order, position by position.
@@ -461,14 +487,14 @@ def _reducescatter_fields(tensor: torch.Tensor, op, prescale, postscale, api: st
                          "at least one dimension (its rows are split between the ranks)")
     reduce_op = as_reduce_op(op)
     check_reducible(tensor, api)
-    world = size()
+    world = _ring(api).size
     splits = tuple(end - start for start, end in
                    (_rows_of(tensor.shape[0], r, world) for r in range(world)))
     return dict(op=int(reduce_op), prescale=float(prescale), postscale=float(postscale),
                 splits=splits)
 
 
-@on_global_process_set
+@on_process_set
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int | None = Average,
                         process_set=None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
@@ -490,8 +516,9 @@ def reducescatter_parts_async_(tensor: torch.Tensor, splits: tuple[int, ...], na
     host) is the working buffer: the result is a view of this rank's rows of it, and the
     other rows are clobbered."""
     fields = _reducescatter_fields(tensor, op, prescale, postscale, api)
-    if len(splits) != size() or sum(splits) != tensor.shape[0]:
-        raise ValueError(f"{api}: splits {list(splits)} must give each of the {size()} ranks "
+    ranks = _ring(api).size
+    if len(splits) != ranks or sum(splits) != tensor.shape[0]:
+        raise ValueError(f"{api}: splits {list(splits)} must give each of the {ranks} ranks "
                          f"its rows of the {tensor.shape[0]}")
     fields["splits"] = tuple(int(rows) for rows in splits)
     target = _in_place_target(tensor, api)
@@ -509,6 +536,7 @@ def _reducescatter_now(tensor, name, op, prescale, postscale) -> torch.Tensor:
                                       wait_follows=True))
 
 
+@_backward_over_forward_set
 class _DifferentiableReducescatter(torch.autograd.Function):
     """A rank's rows come from every rank's same rows: the gradient is the allgather of the
     incoming gradients, scaled as Horovod scales it."""
@@ -524,10 +552,11 @@ class _DifferentiableReducescatter(torch.autograd.Function):
 
 
 def _reducescatter_gradient_scale(op, prescale: float, postscale: float) -> float:
-    return (size() if as_reduce_op(op) is ReduceOp.SUM else 1.0) * prescale * postscale
+    ranks = _ring("reducescatter").size
+    return (ranks if as_reduce_op(op) is ReduceOp.SUM else 1.0) * prescale * postscale
 
 
-@on_global_process_set
+@on_process_set
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=None,
                   op: int | None = Average, process_set=None, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -546,7 +575,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression=Non
     return compression.decompress(reduced, ctx)
 
 
-@on_global_process_set
+@on_process_set
 def grouped_reducescatter_async(tensors: list[torch.Tensor], name: str | None = None,
                                 op: int | None = Average, process_set=None,
                                 prescale_factor: float = 1.0,
@@ -571,6 +600,7 @@ def _grouped_reducescatter_now(tensors, name, op, prescale, postscale) -> list[t
                                               "grouped_reducescatter", wait_follows=True))
 
 
+@_backward_over_forward_set
 class _DifferentiableGroupedReducescatter(torch.autograd.Function):
     """Each tensor's gradient as in `reducescatter`, gathered in one grouped allgather."""
 
@@ -587,7 +617,7 @@ class _DifferentiableGroupedReducescatter(torch.autograd.Function):
         return (None, *synchronize(handle))
 
 
-@on_global_process_set
+@on_process_set
 def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None,
                           compression=None, op: int | None = Average, process_set=None,
                           prescale_factor: float = 1.0,
@@ -613,7 +643,7 @@ def _alltoall_splits(tensor: torch.Tensor, splits, api: str) -> list[int]:
     if tensor.dim() == 0:
         raise ValueError(f"{api}: a scalar cannot be split among ranks; give a tensor whose "
                          "rows (dimension 0) go to the ranks")
-    ranks, rows = size(), tensor.shape[0]
+    ranks, rows = _ring(api).size, tensor.shape[0]
     if splits is None:
         if rows % ranks:
             raise ValueError(f"{api}: {rows} rows cannot be split equally among {ranks} ranks; "
@@ -635,27 +665,28 @@ def _alltoall_splits(tensor: torch.Tensor, splits, api: str) -> list[int]:
 class _AlltoallHandle:
     """An alltoall in flight: the allgathers of every rank's splits and of every rank's rows."""
 
-    __slots__ = ("_splits", "_rows")
+    __slots__ = ("_splits", "_rows", "_ring")
 
-    def __init__(self, splits: Handle, rows: Handle):
-        self._splits, self._rows = splits, rows
+    def __init__(self, splits: Handle, rows: Handle, ring: World):
+        self._splits, self._rows, self._ring = splits, rows, ring
 
     def done(self) -> bool:
         return self._splits.done() and self._rows.done()
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the rows every rank sent this one, in rank order; how many came from each rank)."""
-        sent = self._splits.wait().view(size(), size())  # sent[s, r]: rows rank s sends rank r
-        gathered, me = self._rows.wait(), rank()
+        ranks, me = self._ring.size, self._ring.rank
+        sent = self._splits.wait().view(ranks, ranks)  # sent[s, r]: rows rank s sends rank r
+        gathered = self._rows.wait()
         blocks, start = [], 0
-        for source in range(size()):
+        for source in range(ranks):
             offset = start + int(sent[source, :me].sum())
             blocks.append(gathered[offset:offset + int(sent[source, me])])
             start += int(sent[source].sum())
         return torch.cat(blocks), sent[:, me].to(torch.int32)
 
 
-@on_global_process_set
+@on_process_set
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None,
                    process_set=None) -> _AlltoallHandle:
     """Start sending `splits[r]` rows of `tensor` to each rank r (equal parts without
@@ -668,9 +699,11 @@ def _alltoall(tensor, splits, name, api) -> _AlltoallHandle:
     with _op_name("alltoall", name) as base:
         return _AlltoallHandle(
             _submit(api, "allgather", torch.tensor(counts), None, f"{base}.splits"),
-            _submit(api, "allgather", _gatherable(tensor[:sum(counts)]), None, f"{base}.rows"))
+            _submit(api, "allgather", _gatherable(tensor[:sum(counts)]), None, f"{base}.rows"),
+            _ring(api))
 
 
+@_backward_over_forward_set
 class _DifferentiableAlltoall(torch.autograd.Function):
     """The gradient of what a rank sent is what came back when every rank returns the
     gradients of the rows it received, to the ranks they came from."""
@@ -691,7 +724,7 @@ class _DifferentiableAlltoall(torch.autograd.Function):
         return returned, None, None
 
 
-@on_global_process_set
+@on_process_set
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process_set=None):
     """Send `splits[r]` rows of `tensor` to each rank r, in rank order (`tensor.shape[0] /
     size` rows each without `splits`); returns the rows every rank sent this one, in rank
@@ -709,7 +742,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None, process
 
 # ---- sparse allreduce ----------------------------------------------------------------------
 
-@on_global_process_set
+@on_process_set
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None = None,
                            process_set=None) -> Callable[[], torch.Tensor]:
     """Start reducing a sparse COO `tensor` over all ranks (op Sum or Average) by gathering
@@ -726,7 +759,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None = Non
     # allgather stacks rows: one row per non-zero, its coordinates in the indices' row
     indices = allgather_async(tensor._indices().transpose(0, 1), name=f"{name}.indices")
     values = allgather_async(tensor._values(), name=f"{name}.values")
-    world_size = size()
+    world_size = _ring("sparse_allreduce_async").size
 
     def result() -> torch.Tensor:
         gathered_values = synchronize(values)
@@ -741,7 +774,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int | None = Non
 
 # ---- broadcast ----------------------------------------------------------------------------
 
-@on_global_process_set
+@on_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` to every rank, into a new tensor."""
@@ -754,7 +787,7 @@ def _broadcast_anew(tensor, root_rank, name, api, wait_follows) -> Handle:
     return _broadcast_into(source, output, root_rank, name, api, wait_follows)
 
 
-@on_global_process_set
+@on_process_set
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set=None) -> Handle:
     """Start copying `root_rank`'s `tensor` into `tensor` on every rank."""
@@ -763,13 +796,17 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 
 def _broadcast_into(tensor, output, root_rank, name, api, wait_follows: bool = False) -> Handle:
-    world_size = context.current(api).world.size
-    if not 0 <= root_rank < world_size:
-        raise ValueError(f"{api}: root_rank {root_rank} is not a rank of this run (size {world_size})")
-    return _submit(api, "broadcast", tensor, output, name, wait_follows, root=int(root_rank))
+    """`root_rank` is a global rank, as in Horovod, also over a process set."""
+    members = active_runtime(api).members
+    if root_rank not in members:
+        where = (f"this run (size {len(members)})" if active() is global_process_set
+                 else f"{active()}")
+        raise ValueError(f"{api}: root_rank {root_rank} is not a rank of {where}")
+    return _submit(api, "broadcast", tensor, output, name, wait_follows,
+                   root=members.index(root_rank))
 
 
-@on_global_process_set
+@on_process_set
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set=None) -> torch.Tensor:
     """Return `root_rank`'s `tensor` on every rank."""
@@ -782,6 +819,7 @@ def _broadcast_now(tensor, root_rank, name) -> torch.Tensor:
     return synchronize(_broadcast_anew(tensor, root_rank, name, "broadcast", wait_follows=True))
 
 
+@_backward_over_forward_set
 class _DifferentiableBroadcast(torch.autograd.Function):
     """Only the root's tensor reaches the output: its gradient is the average over ranks of
     the incoming gradient, and every other rank's is zero (as in Horovod)."""
@@ -797,7 +835,7 @@ class _DifferentiableBroadcast(torch.autograd.Function):
         return (averaged if rank() == ctx.root_rank else torch.zeros_like(averaged)), None, None
 
 
-@on_global_process_set
+@on_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set=None) -> torch.Tensor:
     """Overwrite `tensor` with `root_rank`'s, on every rank, and return it."""
@@ -808,7 +846,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 # ---- barrier ------------------------------------------------------------------------------
 
-@on_global_process_set
+@on_process_set
 def barrier(process_set=None) -> None:
     """Return once every rank has called `barrier()`."""
     synchronize(_submit("barrier", "barrier", None, None, None, wait_follows=True))

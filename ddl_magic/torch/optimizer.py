@@ -25,7 +25,7 @@ from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from .compression import Compression, Compressor
 from .ops import _allreduce_into, sparse_allreduce_async, synchronize
-from .process_sets import on_global_process_set
+from .process_sets import ProcessSet, entered, global_process_set
 
 # DDP's default bucket size (bucket_cap_mb=25): an allreduce of 25 MiB takes long enough on
 # the wire that its fixed cost hardly counts, yet a large model still gets several buckets,
@@ -87,8 +87,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression: type[Compressor],
                  backward_passes_per_step: int, op: ReduceOp, gradient_predivide_factor: float,
-                 groups: Groups, sparse_as_dense: bool):
+                 groups: Groups, sparse_as_dense: bool, process_set: ProcessSet):
         super(self.__class__, self).__init__(params)
+        self._process_set = process_set
         self._compression = compression
         self._passes_per_step = backward_passes_per_step
         self._op = op
@@ -98,8 +99,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_in_flight: dict = {}  # parameter -> its sparse allreduce's result function
         params = [p for group in self.param_groups for p in group["params"]]
         self._parameter_names = _parameter_names(params, named_parameters)
+        # A rank outside the process set averages nothing: it steps on its own gradients.
         self._buckets = [_Bucket(_bucket_name(members, self._parameter_names), members)
-                         for members in assign_buckets(params, groups, self._parameter_names)]
+                         for members in assign_buckets(params, groups, self._parameter_names)
+                         ] if process_set.included() else []
         self._synchronized = False
         self._skip_synchronize = False
         # Each hook knows its bucket and position: no lookup keyed by tensor (each hashes in Python).
@@ -134,7 +137,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif param.grad.is_sparse:
             if not self._sparse_as_dense:
                 self._sparse_in_flight[param] = sparse_allreduce_async(
-                    param.grad, name=f"sparse.{self._parameter_names[param]}", op=self._op)
+                    param.grad, name=f"sparse.{self._parameter_names[param]}", op=self._op,
+                    process_set=self._process_set)
                 param.grad = torch.zeros_like(param)
             else:
                 param.grad = param.grad.to_dense()
@@ -143,9 +147,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: _Bucket, wait_follows: bool) -> None:
         bucket.gather()
         compressed, ctx = self._compression.compress(bucket.buffer)
-        handle = _allreduce_into(compressed, compressed, None, bucket.name, self._op,
-                                 self._prescale, self._postscale, "DistributedOptimizer",
-                                 wait_follows)
+        with entered(self._process_set):
+            handle = _allreduce_into(compressed, compressed, None, bucket.name, self._op,
+                                     self._prescale, self._postscale, "DistributedOptimizer",
+                                     wait_follows)
         bucket.in_flight = (handle, compressed, ctx)
 
     def _finish(self, bucket: _Bucket) -> None:
@@ -334,7 +339,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-@on_global_process_set
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: type[Compressor] = Compression.none,
@@ -358,7 +362,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     `shard_optimizer_state=True` keeps the optimizer's state (Adam's moments) of only 1/N of
     the parameters on each rank (ZeRO stage 1, see `sharded_optimizer.py`): gradients are
     reduce-scattered and parameters allgathered in `step()`, the bytes of one allreduce.
+
+    With `process_set`, gradients are averaged over that set's ranks only; a rank outside
+    it steps on its own gradients (as in Horovod).
     """
+    process_set = global_process_set if process_set is None else process_set
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError("DistributedOptimizer: process_set must be a ProcessSet, not "
+                        f"{type(process_set).__name__}")
+    process_set.check_added("DistributedOptimizer")
     if backward_passes_per_step < 1:
         raise ValueError("backward_passes_per_step must be at least 1")
     reduce_op = as_reduce_op(op)
@@ -367,6 +379,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if groups is None and num_groups:
         groups = num_groups
     if shard_optimizer_state:
+        if process_set is not global_process_set:
+            raise NotImplementedError("DistributedOptimizer(shard_optimizer_state=True) shards "
+                                      "over every rank: leave process_set out")
         if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError("DistributedOptimizer(shard_optimizer_state=True) averages or sums "
                              "gradients: pass op=hvd.Average or op=hvd.Sum")
@@ -382,4 +397,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               reduce_op, gradient_predivide_factor, groups, sparse_as_dense)
+               reduce_op, gradient_predivide_factor, groups, sparse_as_dense, process_set)
