@@ -115,7 +115,7 @@ run = ddl_magic.last_run()
 
 
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
-def test_03_ring_replayed_from_the_trace_matches_the_lecture_and_the_byte_count():
+def test_03_ring_replayed_matches_the_lecture_and_byte_count_and_sharding_divides_adam_state():
     _, report = run_notebook("03_ring_watched.ipynb", """
 {"sums": [sum_2, sum_3, sum_4],
  "lecture": {n: bool(t["as the lecture says"].all()) for n, t in steps.items()},
@@ -124,7 +124,8 @@ def test_03_ring_replayed_from_the_trace_matches_the_lecture_and_the_byte_count(
  "sent": traffic["ring: sent per rank (MB)"].to_dict(),
  "formula": traffic["2(N-1)K/N (MB)"].to_dict(),
  "same": traffic["every rank the same"].astype(bool).to_dict(),
- "frames": {n: len(ring_figure(t, n).frames) for n, t in steps.items()}}
+ "frames": {n: len(ring_figure(t, n).frames) for n, t in steps.items()},
+ "adam_mb": [whole_mb, share_2_mb, share_4_mb]}
 """)
     assert report["sums"] == [3.0, 6.0, 10.0]
     for n in ("2", "3", "4"):
@@ -136,6 +137,10 @@ def test_03_ring_replayed_from_the_trace_matches_the_lecture_and_the_byte_count(
         assert report["same"][n]
         assert report["frames"][n] == 2 * (size - 1) + 1
     assert report["sent"]["4"] == pytest.approx(7.2)  # 2 * 3/4 * 4.8 MB
+    whole, share_2, share_4 = report["adam_mb"]
+    parameters = 1024 * 1024 * 2 + 1024 * 512 + 1024 * 2 + 512
+    assert whole == pytest.approx(8 * parameters / 1e6)  # two float32 moments per parameter
+    assert (share_2, share_4) == (pytest.approx(whole / 2, rel=1e-3), pytest.approx(whole / 4, rel=1e-3))
 
 
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
