@@ -10,7 +10,7 @@ def allreduce(name, numel=4, dtype=torch.float32, op=0):
 
 
 def coordinator(size=2, fusion=1 << 20, cycle=0.001, stall=60.0):
-    return Coordinator(size, fusion_threshold=fusion, cycle_time_s=cycle, stall_time_s=stall)
+    return Coordinator(tuple(range(size)), fusion_threshold=fusion, cycle_time_s=cycle, stall_time_s=stall)
 
 
 def test_a_name_is_ready_only_when_every_rank_submitted_it():

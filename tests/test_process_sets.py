@@ -89,6 +89,59 @@ def check_every_collective_over_evens_and_odds(hvd):
     return failures
 
 
+def check_async_grouped_and_in_place_forms_over_a_set(hvd):
+    failures = []
+    if hvd.size() < 2:
+        return failures
+    evens, odds, mine = evens_and_odds(hvd)
+    rank, members = hvd.rank(), mine.ranks
+    n, position = len(members), members.index(rank)
+
+    def expect(what, got, wanted):
+        if not torch.equal(got, wanted):
+            failures.append(f"{what}: {got.tolist()} != {wanted.tolist()}")
+
+    handles = {
+        "allgather_async": hvd.allgather_async(torch.full((rank + 1,), rank), process_set=mine),
+        "grouped_allgather_async": hvd.grouped_allgather_async(
+            [torch.tensor([rank]), torch.full((1, 2), rank)], process_set=mine),
+        "reducescatter_async": hvd.reducescatter_async(torch.ones(n, 2) * rank, op=hvd.Sum,
+                                                       process_set=mine),
+        "grouped_allreduce_async": hvd.grouped_allreduce_async(
+            [torch.tensor([1.0]), torch.tensor([rank])], op=hvd.Sum, process_set=mine),
+        "alltoall_async": hvd.alltoall_async(torch.arange(n) + 10 * rank, process_set=mine),
+    }
+    in_place = torch.tensor([float(rank)])
+    handles["broadcast_async_"] = hvd.broadcast_async_(in_place, root_rank=members[-1],
+                                                       process_set=mine)
+    results = {name: hvd.synchronize(handle) for name, handle in handles.items()}
+    expect("allgather_async", results["allgather_async"],
+           torch.cat([torch.full((r + 1,), r) for r in members]))
+    gathered = results["grouped_allgather_async"]
+    expect("grouped_allgather_async 0", gathered[0], torch.tensor(members))
+    expect("grouped_allgather_async 1", gathered[1], torch.cat([torch.full((1, 2), r) for r in members]))
+    expect("reducescatter_async", results["reducescatter_async"], torch.ones(1, 2) * sum(members))
+    summed = results["grouped_allreduce_async"]
+    expect("grouped_allreduce_async", torch.cat(summed), torch.tensor([float(n), sum(members)]))
+    received, _ = results["alltoall_async"]
+    expect("alltoall_async", received, torch.tensor([10 * r + position for r in members]))
+    expect("broadcast_async_", in_place, torch.tensor([float(members[-1])]))
+    tensors = [torch.tensor([1.0]), torch.tensor([2.0 * rank])]
+    hvd.grouped_allreduce_(tensors, op=hvd.Sum, process_set=mine)
+    expect("grouped_allreduce_", torch.cat(tensors), torch.tensor([float(n), 2.0 * sum(members)]))
+    scattered = hvd.grouped_reducescatter([torch.ones(n, 1) * rank, torch.ones(n) * 2],
+                                          op=hvd.Sum, process_set=mine)
+    expect("grouped_reducescatter", torch.cat([scattered[0].flatten(), scattered[1]]),
+           torch.tensor([float(sum(members)), 2.0 * n]))
+    sparse = torch.sparse_coo_tensor([[rank % 3]], [1.0], (3,))
+    reduced = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum, process_set=mine)()
+    expect("sparse_allreduce_async", reduced.to_dense(),
+           sum(torch.sparse_coo_tensor([[r % 3]], [1.0], (3,)).to_dense() for r in members))
+    hvd.remove_process_set(evens)
+    hvd.remove_process_set(odds)
+    return failures
+
+
 def check_gradients_flow_within_the_set(hvd):
     failures = []
     if hvd.size() < 2:
@@ -141,6 +194,13 @@ def check_overlapping_sets_and_unnamed_calls_count_per_set(hvd):
         failures.append(f"one name on two rings: {got}")
     if hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() != size:
         failures.append("the global ring's unnamed calls went out of step")
+    if right.included():  # errors name ranks as the run numbers them, not within the set
+        try:
+            hvd.allreduce(torch.ones(hvd.rank()), name="mismatch", process_set=right)
+            failures.append("a mismatch over [1, 2] went unnoticed")
+        except Exception as exc:
+            if "between ranks [1, 2]" not in str(exc):
+                failures.append(f"the mismatch over [1, 2] says: {exc}")
     for process_set in (left, right, ends):
         if hvd.remove_process_set(process_set) is not True:
             failures.append(f"remove_process_set({process_set}) did not say True")
@@ -255,7 +315,8 @@ def check_sets_given_to_init_and_forgotten_at_shutdown(hvd):
     return failures
 
 
-CHECKS = [check_every_collective_over_evens_and_odds, check_gradients_flow_within_the_set,
+CHECKS = [check_every_collective_over_evens_and_odds,
+          check_async_grouped_and_in_place_forms_over_a_set, check_gradients_flow_within_the_set,
           check_overlapping_sets_and_unnamed_calls_count_per_set,
           check_distributed_optimizer_over_a_set, check_refusals,
           check_sets_given_to_init_and_forgotten_at_shutdown]

@@ -100,7 +100,7 @@ def test_a_neighbour_that_dies_becomes_peer_lost_within_a_sleep_slice_not_the_ti
         own = shared_memory.Segment.create()
         peers = (Peer(0, "host", ("127.0.0.1", 1)), Peer(1, "host", ("127.0.0.1", 2)))
         world = World(rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
-                      peers=peers)
+                      peers=peers, run_ranks=(0, 1))
         other = shared_memory.Neighbour(1, shared_memory.Segment.open(pid, fd), os.pidfd_open(pid))
         group = shared_memory.HostGroup(world, [0, 1], own, {1: other}, op_timeout=600)
         outcome: list[BaseException | None] = []
@@ -156,7 +156,7 @@ def group_pair() -> tuple[shared_memory.HostGroup, shared_memory.HostGroup]:
     groups = []
     for rank in (0, 1):
         world = World(rank=rank, size=2, local_rank=rank, local_size=2, cross_rank=0,
-                      cross_size=1, peers=peers)
+                      cross_size=1, peers=peers, run_ranks=(0, 1))
         other = segments[1 - rank]
         neighbour = shared_memory.Neighbour(1 - rank, shared_memory.Segment.open(os.getpid(), other.fd),
                                             os.pidfd_open(os.getpid()))

@@ -287,7 +287,9 @@ class _TimelineObserver(RingObserver):
     def __init__(self, labels: _TimelineLabels, transport: RingTransport):
         self.labels = labels
         self.world = transport.world
-        self.right, self.left = transport.right_rank, transport.left_rank
+        # named by rank in the run, as the trace's pid is (they differ in a process set's ring)
+        self.right = transport.world.run_ranks[transport.right_rank]
+        self.left = transport.world.run_ranks[transport.left_rank]
 
     def phase(self, name: str):
         return self.labels.span(name, size=self.world.size)

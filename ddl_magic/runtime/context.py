@@ -39,10 +39,9 @@ class RankBootstrap:
 class Runtime:
     """One ring and what runs collectives over it: every rank's (`init()`), or a process set's."""
 
-    world: World  # numbered within this ring: a process set's rank 0 is its lowest global rank
+    world: World  # numbered within this ring: a process set's rank 0 is its lowest run rank
     queue: OpQueue
     transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical)
-    members: tuple[int, ...]  # the global rank of each of this ring's ranks, in its rank order
     # Unnamed operations are named by how many of their kind this process submitted over this
     # ring before: ranks that call them in the same order name them alike.
     unnamed_submitted: collections.Counter = field(default_factory=collections.Counter)
@@ -64,10 +63,10 @@ def init() -> Runtime:
         if bootstrap is None:
             world = single_process_world()
             transport = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
-            _runtime = _runtime_over(world, transport, None, None, (0,), settings)
+            _runtime = _runtime_over(world, transport, None, None, settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
-            _runtime = _connect(world, bootstrap.listener, tuple(range(world.size)), settings)
+            _runtime = _connect(world, bootstrap.listener, settings)
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
         return _runtime
@@ -90,9 +89,9 @@ def connect_subset(members: tuple[int, ...], ports: dict[int, int],
     peers = [Peer(index, bootstrap.peers[rank].host,
                   (bootstrap.peers[rank].address[0], ports[rank]))
              for index, rank in enumerate(members)]
-    world = derive_world(members.index(bootstrap.rank), peers)
+    world = derive_world(members.index(bootstrap.rank), peers, run_ranks=members)
     try:
-        runtime = _connect(world, listener, members, Settings.from_environment())
+        runtime = _connect(world, listener, Settings.from_environment())
     finally:
         listener.close()
     with _lock:
@@ -109,8 +108,7 @@ def close_subset(runtime: Runtime) -> None:
     runtime.queue.close()
 
 
-def _connect(world: World, listener: socket.socket, members: tuple[int, ...],
-             settings: Settings) -> Runtime:
+def _connect(world: World, listener: socket.socket, settings: Settings) -> Runtime:
     """Connect this rank's ring in `world`, plus shared memory and a cross ring where they help."""
     host_group = None
     hierarchical = settings.hierarchical and settings.transport != "tcp" and world.uniform_hosts
@@ -128,10 +126,10 @@ def _connect(world: World, listener: socket.socket, members: tuple[int, ...],
     if host_group is None and cross is not None:  # no shared memory: the flat ring
         cross.close()
         cross = None
-    return _runtime_over(world, transport, host_group, cross, members, settings)
+    return _runtime_over(world, transport, host_group, cross, settings)
 
 
-def _runtime_over(world, transport, host_group, cross, members, settings) -> Runtime:
+def _runtime_over(world, transport, host_group, cross, settings) -> Runtime:
     runner = CollectiveRunner(transport, host_group, cross)
     if runner.moves_data_by == "shm":  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
@@ -140,7 +138,7 @@ def _runtime_over(world, transport, host_group, cross, members, settings) -> Run
     else:
         queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
                            settings.cycle_time_s, settings.stall_time_s)
-    return Runtime(world, queue, runner.moves_data_by, members)
+    return Runtime(world, queue, runner.moves_data_by)
 
 
 def _pin_gpu(local_rank: int) -> None:

@@ -121,8 +121,12 @@ class RequestCache:
 class Coordinator:
     """Rank 0's bookkeeping: who submitted what, what is ready, and what to run next."""
 
-    def __init__(self, size: int, fusion_threshold: int, cycle_time_s: float, stall_time_s: float):
-        self.size = size
+    def __init__(self, run_ranks: tuple[int, ...], fusion_threshold: int, cycle_time_s: float,
+                 stall_time_s: float):
+        self.size = len(run_ranks)
+        # Ranks are counted 0..size-1 within the ring; messages name them by their rank in the
+        # run (they differ in a process set's ring).
+        self._run_ranks = run_ranks
         self.fusion_threshold = fusion_threshold
         self.cycle_time_s = cycle_time_s
         self.stall_time_s = stall_time_s
@@ -143,7 +147,8 @@ class Coordinator:
             by_rank = self._submitted.setdefault(request.name, {})
             if rank in by_rank:
                 raise ValueError(
-                    f"rank {rank} submitted tensor {request.name!r} twice before it completed: "
+                    f"rank {self._run_ranks[rank]} submitted tensor {request.name!r} twice "
+                    "before it completed: "
                     "give concurrent collectives distinct names"
                 )
             by_rank[rank] = request
@@ -239,8 +244,9 @@ class Coordinator:
             have = sorted(self._submitted[name])
             missing = sorted(set(range(self.size)) - set(have))
             warnings.append(
-                f"stall: tensor {name!r} was submitted by ranks {have} {now - since:.0f} s ago, "
-                f"but ranks {missing} have not submitted it{self._instead(missing)}. Ranks may "
+                f"stall: tensor {name!r} was submitted by ranks {self._named(have)} "
+                f"{now - since:.0f} s ago, but ranks {self._named(missing)} have not submitted "
+                f"it{self._instead(missing)}. Ranks may "
                 "be calling collectives in different orders or with different names, or one "
                 f"rank skipped a step.{_unnamed_hint(name)}"
             )
@@ -254,8 +260,11 @@ class Coordinator:
                      if rank in by_rank and name not in self._ready]
             if names:
                 listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-                waits.append(f"rank {rank} waits on {listed}")
+                waits.append(f"rank {self._run_ranks[rank]} waits on {listed}")
         return f" ({'; '.join(waits)} instead)" if waits else ""
+
+    def _named(self, ranks: list[int]) -> list[int]:
+        return [self._run_ranks[rank] for rank in ranks]
 
     def _respond(self, name: str, requests: dict[int, Request]) -> Response:
         first = requests[min(requests)]  # the reference the others are compared with
@@ -269,11 +278,11 @@ class Coordinator:
             return Response(first.kind, (name,))  # every rank sent the same cached request
         disagreeing = [rank for rank in ranks[1:] if not requests[rank].agrees_with(first)]
         if disagreeing:
-            details = "; ".join(f"rank {rank}: {requests[rank].describe()}"
+            details = "; ".join(f"rank {self._run_ranks[rank]}: {requests[rank].describe()}"
                                 for rank in [ranks[0]] + disagreeing)
             return Response(first.kind, (name,), error=(
                 f"mismatched collective for tensor {name!r} between ranks "
-                f"{[ranks[0]] + disagreeing}: {details}. Every rank must submit the same shape, "
+                f"{self._named([ranks[0]] + disagreeing)}: {details}. Every rank must submit the same shape, "
                 f"dtype and op under one name.{_unnamed_hint(name)}"
             ))
         absent = sorted(set(range(self.size)) - set(requests))

@@ -56,7 +56,7 @@ class SharedMemoryOpQueue(OpQueue):
         self._cycle_time_s = cycle_time_s
         self._op_timeout = op_timeout
         self._progress = threading.Lock()
-        self._replica = Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
+        self._replica = Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s)
         # Under _lock: when the oldest and the newest unannounced submissions were queued.
         self._first_unannounced: float | None = None
         self._last_unannounced = 0.0

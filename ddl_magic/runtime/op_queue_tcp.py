@@ -33,7 +33,7 @@ class TcpOpQueue(OpQueue):
         self._woken = False
         self._wake_receiver, self._wake_sender = socket.socketpair()
         self._coordinator = (
-            Coordinator(self.world.size, fusion_threshold, cycle_time_s, stall_time_s)
+            Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s)
             if self.world.rank == 0 else None
         )
         self._thread.start()
@@ -116,7 +116,8 @@ class TcpOpQueue(OpQueue):
                     raise HorovodInternalError(last[1]) from exc
             except (OSError, PeerClosedError, EOFError):
                 pass
-            raise PeerLostError(0, self.world.peers[0].host, "connection lost") from exc
+            raise PeerLostError(self.world.run_ranks[0], self.world.peers[0].host,
+                                "connection lost") from exc
 
     def _coordinate(self) -> None:
         """Rank 0: collect every rank's requests, decide cycles, send them out and run them."""
@@ -153,7 +154,8 @@ class TcpOpQueue(OpQueue):
                 rank = by_socket[sock]
                 message = self._recv(followers[rank], rank)
                 if message[0] == "bye":
-                    raise PeerLostError(rank, self.world.peers[rank].host, "it has shut down")
+                    raise PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host,
+                                        "it has shut down")
                 _, requests, waited = message
                 coordinator.submit(rank, requests, now)
                 coordinator.note_waited(waited)
@@ -169,4 +171,5 @@ class TcpOpQueue(OpQueue):
         try:
             return channel.recv()
         except (OSError, PeerClosedError, EOFError) as exc:
-            raise PeerLostError(rank, self.world.peers[rank].host, "connection lost") from exc
+            raise PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host,
+                                "connection lost") from exc

@@ -383,7 +383,8 @@ class HostGroup:
                                             "in a shared-memory collective")
 
     def _lost(self, neighbour: Neighbour, what: str) -> PeerLostError:
-        return PeerLostError(neighbour.rank, self.world.peers[neighbour.rank].host, what)
+        return PeerLostError(self.world.run_ranks[neighbour.rank],
+                             self.world.peers[neighbour.rank].host, what)
 
     def close(self) -> None:
         for neighbour in self.neighbours:
@@ -461,7 +462,7 @@ def _exchange(world: World, coordination: dict, mine, timeout: float) -> list:
         return gathered
     except (OSError, EOFError, ConnectionError) as exc:
         rank = 0 if world.rank != 0 else next(iter(coordination))
-        raise PeerLostError(rank, world.peers[rank].host,
+        raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
                             f"lost while setting up shared memory: {exc}") from exc
     finally:
         for _, channel in channels:

@@ -118,7 +118,7 @@ class RingTransport:
 
     def _lost(self, rank: int, cause: BaseException) -> PeerLostError:
         what = "timed out after %.0f s" % self.op_timeout if isinstance(cause, socket.timeout) else str(cause)
-        return PeerLostError(rank, self.world.peers[rank].host, what)
+        return PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host, what)
 
     def close(self) -> None:
         if self._sender is not None:
@@ -160,7 +160,8 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
             channel = Channel.connect(world.peers[rank].address, secret, purpose,
                                       max(0.1, deadline - time.monotonic()))
         except (OSError, AuthenticationError) as exc:
-            raise PeerLostError(rank, world.peers[rank].host, f"could not connect: {exc}") from exc
+            raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
+                                f"could not connect: {exc}") from exc
         channel.send(world.rank)  # tells the acceptor who we are
         return channel
 
@@ -170,7 +171,7 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
     missing = expected - accepted.keys()
     if missing:
         kind, rank = sorted(missing)[0]
-        raise PeerLostError(rank, world.peers[rank].host,
+        raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
                             f"did not open its {kind} connection within {timeout:.0f} s")
     if world.rank == 0:
         coordination = {rank: accepted[("coord", rank)] for rank in range(1, world.size)}

@@ -30,10 +30,9 @@ class World:
     cross_rank: int
     cross_size: int
     peers: tuple[Peer, ...]
-
-    def describe(self, rank: int) -> str:
-        """'rank 3 on host-b', for error messages."""
-        return f"rank {rank} on {self.peers[rank].host}" if self.peers else f"rank {rank}"
+    # Each rank's rank in the run: itself, except in a process set's ring (numbered 0..size-1
+    # within the set), where errors and the timeline still name ranks as the user knows them.
+    run_ranks: tuple[int, ...]
 
     @property
     def hosts(self) -> list[str]:
@@ -78,7 +77,7 @@ class World:
         return len(self.hosts) > 1 and self.homogeneous and self.local_size > 1
 
 
-def derive_world(rank: int, peers: list[Peer]) -> World:
+def derive_world(rank: int, peers: list[Peer], run_ranks: tuple[int, ...] | None = None) -> World:
     """Number ranks within their host and hosts within the run.
 
     >>> peers = [Peer(0, "a", ("a", 1)), Peer(1, "b", ("b", 1)), Peer(2, "a", ("a", 2))]
@@ -102,9 +101,11 @@ def derive_world(rank: int, peers: list[Peer]) -> World:
         cross_rank=hosts_with_local_rank.index(host),
         cross_size=len(hosts_with_local_rank),
         peers=tuple(peers),
+        run_ranks=tuple(range(len(peers))) if run_ranks is None else run_ranks,
     )
 
 
 def single_process_world() -> World:
     """The world of a script run without a launcher: one rank, no network."""
-    return World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, peers=())
+    return World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, peers=(),
+                 run_ranks=(0,))

@@ -797,7 +797,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def _broadcast_into(tensor, output, root_rank, name, api, wait_follows: bool = False) -> Handle:
     """`root_rank` is a global rank, as in Horovod, also over a process set."""
-    members = active_runtime(api).members
+    members = active_runtime(api).world.run_ranks
     if root_rank not in members:
         where = (f"this run (size {len(members)})" if active() is global_process_set
                  else f"{active()}")
