@@ -15,12 +15,13 @@ words even when it was killed, and at once of a rank that died before it could r
 
 from __future__ import annotations
 
+import errno
 import queue
 import socket
 import threading
 import time
 
-from .events import (ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
+from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
                      TimelineBatch, TimelineStarted)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
@@ -30,8 +31,8 @@ HANDSHAKE_TIMEOUT_S = 10.0
 class ControlServer:
     """Listens for the ranks of one run and relays their messages as events.
 
-    `bind_host` is where to listen ("127.0.0.1" for local ranks, "0.0.0.0" for Spark) and
-    `advertised_host` the address ranks connect to.
+    `bind_host` is where to listen (loopback for local ranks, where Spark's driver binds for
+    Spark) and `advertised_host` the address ranks connect to.
     """
 
     def __init__(self, secret: bytes, np: int, task: bytes, settings: dict, events: queue.Queue,
@@ -101,6 +102,7 @@ class ControlServer:
         except (OSError, AuthenticationError, PeerClosedError):
             return  # a stranger, or garbage: refused, and the run goes on
         rank = None
+        timed_out = False
         try:
             if purpose == "task":
                 self._relay_task(channel)
@@ -108,14 +110,15 @@ class ControlServer:
             rank = self._register(channel)
             if rank is not None:
                 self._relay(channel, rank)
-        except (OSError, PeerClosedError, EOFError):
-            pass
+        except (OSError, PeerClosedError, EOFError) as exc:
+            # ETIMEDOUT: keepalive or TCP_USER_TIMEOUT gave up on a host that stopped answering
+            timed_out = isinstance(exc, TimeoutError) or getattr(exc, "errno", None) == errno.ETIMEDOUT
         except Exception:  # a malformed message (it passed the handshake): the connection ends, the run goes on
             pass
         finally:
             channel.close()
             if rank is not None:
-                self._connection_ended(rank)
+                self._connection_ended(rank, timed_out)
 
     def _register(self, channel: Channel) -> int | None:
         channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -165,8 +168,10 @@ class ControlServer:
                 self._finished.add(rank)
                 self.events.put(RankFinished(rank, message[1]))
             elif kind == "failed":
+                _, failure_kind, text, reason, exit_code, at_ns, lost_rank = message
                 self._finished.add(rank)
-                self.events.put(RankFailed(rank, host, *message[1:]))
+                self.events.put(RankFailed(rank, host, FailureKind(failure_kind), text, reason,
+                                           exit_code, at_ns, lost_rank))
 
     def _relay_task(self, channel: Channel) -> None:
         """What a task relays for its rank: output lines, then the process's end."""
@@ -192,13 +197,19 @@ class ControlServer:
             with self._lock:
                 self._task_channels.discard(channel)
 
-    def _connection_ended(self, rank: int) -> None:
+    def _connection_ended(self, rank: int, timed_out: bool) -> None:
         with self._lock:
             self._channels.pop(rank, None)
             closed = self._closed
         if rank not in self._finished and not closed:
             host = self._registrations[rank][1]
-            self.events.put(RankFailed(rank, host, "", "connection lost"))
+            if timed_out:
+                failure = RankFailed(rank, host, FailureKind.UNREACHABLE, "",
+                                     f"{host} stopped answering", at_ns=time.monotonic_ns())
+            else:
+                failure = RankFailed(rank, host, FailureKind.VANISHED, "", "connection lost",
+                                     at_ns=time.monotonic_ns())
+            self.events.put(failure)
 
 
 class TaskRelay:

@@ -8,6 +8,7 @@ dataclasses lets the display be tested without any processes.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -43,16 +44,40 @@ class RankFinished:
     result: bytes | None = None
 
 
+class FailureKind(enum.Enum):
+    """How a rank failed. The driver picks the failure that caused the others by kind and
+    time, never by the words shown to the user (`RankFailed.reason`)."""
+
+    DIED = "died"  # its process ended on its own: a signal, an exit code, os._exit
+    FAILED_TO_START = "failed to start"  # it ended, or could not start, before it connected
+    TASK_FAILED = "task failed"  # Spark reported its task (or the job) failing
+    VANISHED = "vanished"  # its connection closed with no report, and no exit status came
+    UNREACHABLE = "unreachable"  # its connection timed out: its host stopped answering
+    RAISED = "raised"  # its code raised (or exited with a non-zero status)
+    LOST_PEER = "lost a peer"  # it raised because another rank or host was lost: a consequence
+
+
+# Which failure caused the others: the lowest of these first, then the earliest. A process
+# that died is never the consequence of another's failure (the driver stops the others itself,
+# and their exit status says so), while an exception often is: torch's gloo raises
+# "connection reset" in every rank whose peer was killed, and that report can arrive first.
+ROOT_CAUSE_ORDER = {FailureKind.DIED: 0, FailureKind.FAILED_TO_START: 0,
+                    FailureKind.TASK_FAILED: 0, FailureKind.VANISHED: 1,
+                    FailureKind.UNREACHABLE: 1, FailureKind.RAISED: 2, FailureKind.LOST_PEER: 3}
+
+
 @dataclass(frozen=True)
 class RankFailed:
-    """A rank raised, exited or vanished. ``traceback`` is the text to show the user."""
+    """A rank raised, exited or vanished. ``reason`` and ``traceback`` are for the user."""
 
     rank: int
     host: str
+    kind: FailureKind
     traceback: str
     reason: str  # "exception", "exit code N", "killed by SIGKILL", "connection lost", ...
     exit_code: int | None = None  # the exit status the rank reported, when it could report
-    at_ns: int | None = None  # when it raised, on the driver's monotonic clock, when it could report
+    at_ns: int | None = None  # when it happened, on the driver's monotonic clock, where known
+    lost_rank: int | None = None  # LOST_PEER: the rank it lost, where it knows
 
 
 @dataclass(frozen=True)
@@ -91,3 +116,10 @@ class TimelineStarted:
 
 Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited | TimelineBatch
          | TimelineStarted)
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 1 and 3', 'ranks 0, 1 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"

@@ -9,6 +9,7 @@ thread, port or Spark job outlives the run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import tempfile
@@ -20,8 +21,8 @@ from typing import Any
 import cloudpickle
 
 from .control import ControlServer
-from .events import (ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
-                     TimelineBatch, TimelineStarted)
+from .events import (ROOT_CAUSE_ORDER, FailureKind, ProcessExited, RankFailed, RankFinished,
+                     RankOutput, RankStarted, TimelineBatch, TimelineStarted, describe_ranks)
 from .launch.local import describe_exit
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
@@ -166,7 +167,8 @@ class Job:
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = make_display(self.np, quiet=options.hide_output, log_dir=log_dir, title=options.title)
         watcher = _RunWatcher(record, display, timeline_path,
-                              exits_follow_output=getattr(self.launcher, "forwards_output", False))
+                              exits_follow_output=getattr(self.launcher, "forwards_output", False),
+                              describe_lost=getattr(self.launcher, "describe_lost", None))
         outcome = "failed"
         try:
             display.display()
@@ -197,8 +199,10 @@ class _RunWatcher:
     """Applies events to the run record, the display, the log files and the timeline."""
 
     def __init__(self, record: RunResult, display, timeline_path: str | None,
-                 exits_follow_output: bool = False):
+                 exits_follow_output: bool = False, describe_lost=None):
         self.record = record
+        # (host, ranks) -> the reason to show when those ranks of one host vanished together
+        self._describe_lost = describe_lost or (lambda host, ranks: "connection lost")
         self._exits_follow_output = exits_follow_output
         self._output_before_start: dict[int, list[str]] = {}  # a rank's failure, if it never starts
         self.display = display
@@ -207,6 +211,7 @@ class _RunWatcher:
         self._trace = _open_trace(timeline_path) if timeline_path else None
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
+        self._aborted_at_ns: int | None = None
         self._stopping = False
         self._last_refresh = 0.0
 
@@ -235,6 +240,7 @@ class _RunWatcher:
                 pass
             if self._failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
+                self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
                 server.abort(f"rank {self._failures[0].rank} failed")
             self._refresh()
         if self._failures:
@@ -260,10 +266,13 @@ class _RunWatcher:
             # last words; only a rank that never connected is reported here.
             printed = event.output or "\n".join(self._output_before_start.pop(event.rank, []))
             if rank.status == "starting" and event.returncode is None:  # it could not start
-                self.handle(RankFailed(event.rank, event.host, "", printed))
+                self.handle(RankFailed(event.rank, event.host, FailureKind.FAILED_TO_START, "",
+                                       printed, at_ns=time.monotonic_ns()))
             elif rank.status == "starting":
-                self.handle(RankFailed(event.rank, rank.host or event.host, printed,
-                                       describe_exit(event.returncode), event.returncode))
+                self.handle(RankFailed(event.rank, rank.host or event.host,
+                                       FailureKind.FAILED_TO_START, printed,
+                                       describe_exit(event.returncode), event.returncode,
+                                       time.monotonic_ns()))
             return
         if isinstance(event, TimelineBatch):
             if self._trace is not None:
@@ -305,14 +314,11 @@ class _RunWatcher:
         if rank.status in ("failed", "stopped"):
             return  # the process exit and the lost connection report the same end
         rank.ended_at = time.time()
-        stopped_by_us = self._stopping or (
-            self._failures and failure.reason == describe_exit(ABORTED_EXIT_CODE))
-        if stopped_by_us:  # because another rank failed, or the run was interrupted
-            rank.status = "stopped"
+        if self._stopping or failure.exit_code == ABORTED_EXIT_CODE:
+            rank.status = "stopped"  # because another rank failed, or the run was interrupted
             return
-        # A lost connection after another failure is a rank we stopped, or one that died on
-        # its own (killed while another's report was on its way): its exit status tells,
-        # and `_raise_failure` reads it.
+        # A lost connection may yet be a rank that we stopped, or one that died on its own:
+        # `_raise_failure` decides, by when it happened and by its exit status.
         rank.status, rank.reason = "failed", failure.reason
         if failure.traceback:
             self._logs[failure.rank].write(failure.traceback)
@@ -349,35 +355,74 @@ class _RunWatcher:
     def _raise_failure(self) -> None:
         """Show and raise the failure that caused the others, then the ranks it took down.
 
-        In order: ranks that died (a signal, an exit without a report) in the order heard
-        of, then ranks that raised, in the order they raised, then ranks that only lost a
-        peer. A rank that dies is never the consequence of another's failure (the driver
-        stops the others itself, and their exit status says so), while an exception often
-        is: torch's gloo raises "connection reset" in every rank whose peer was killed, and
-        on a busy machine that report can arrive first.
+        Failures are ordered by kind (`ROOT_CAUSE_ORDER`: ranks that died, then ranks that
+        vanished or became unreachable, then ranks that raised, then ranks that only lost a
+        peer), and within a kind by when they happened. A rank whose connection ended after
+        the driver stopped the run was stopped, unless its exit status says it died.
         """
-        failures = []
+        failures, vanished_later = [], []
+        lost_early = {f.lost_rank for f in self._failures  # lost, as a peer saw it before we stopped the run
+                      if f.kind is FailureKind.LOST_PEER and not self._ended_after_abort(f)}
         for failure in self._failures:
             rank = self.record.ranks[failure.rank]
-            if (failure.reason == "connection lost" and failure is not self._failures[0]
-                    and rank.exit_code in (None, ABORTED_EXIT_CODE)):
-                rank.status, rank.reason = "stopped", ""  # the driver stopped it
-                continue
-            if failure.reason == "connection lost" and rank.exit_code is not None:
-                # A dead process's connection drops first; its exit status says more.
-                failure = RankFailed(failure.rank, failure.host, failure.traceback,
-                                     describe_exit(rank.exit_code), rank.exit_code, failure.at_ns)
-                rank.reason = failure.reason
+            if not failure.host and rank.host:  # Spark's reports name the task, not the host
+                failure = dataclasses.replace(failure, host=rank.host)
+            if failure.kind in (FailureKind.VANISHED, FailureKind.UNREACHABLE):
+                # (a timeout is never our doing: a rank we stop closes its connection)
+                if rank.exit_code is not None and rank.exit_code != ABORTED_EXIT_CODE:
+                    # A dead process's connection drops first; its exit status says more.
+                    failure = dataclasses.replace(failure, kind=FailureKind.DIED,
+                                                  reason=describe_exit(rank.exit_code),
+                                                  exit_code=rank.exit_code)
+                elif rank.exit_code == ABORTED_EXIT_CODE or (
+                        failure.kind is FailureKind.VANISHED and self._ended_after_abort(failure)
+                        and failure.rank not in lost_early):
+                    rank.status, rank.reason = "stopped", ""  # the driver stopped it
+                    if rank.exit_code is None:  # ... unless nothing is left to report its exit
+                        vanished_later.append(failure)
+                    continue
             failures.append(failure)
-        ordered = sorted(failures, key=lambda f: ({"lost a peer": 2, "exception": 1}.get(f.reason, 0),
-                                                   f.at_ns or 0))
+        ordered = sorted(failures, key=lambda f: (ROOT_CAUSE_ORDER[f.kind], f.at_ns or 0))
+        ordered = self._lost_hosts_named(ordered, vanished_later)
         for failure in ordered:
+            self.record.ranks[failure.rank].reason = failure.reason
             self.display.handle(failure)
         first = ordered[0]
         self.record.status = "failed"
         self.record.error = f"rank {first.rank} failed: {first.reason}"
         raise RankFailedError(first.rank, first.host, first.reason, first.traceback,
                               first.exit_code, self.record)
+
+    def _ended_after_abort(self, failure: RankFailed) -> bool:
+        return (self._aborted_at_ns is not None and failure.at_ns is not None
+                and failure.at_ns > self._aborted_at_ns)
+
+    def _lost_hosts_named(self, ordered: list[RankFailed],
+                          vanished_later: list[RankFailed]) -> list[RankFailed]:
+        """When the first failure is a rank that vanished or became unreachable, the ranks
+        of its host that did the same were lost with it: those that vanished too, also after
+        the run was stopped if no exit status came for them (what would report it went with
+        them), and if the host stopped answering, all of them (none can be reached, whether
+        its connection has timed out yet or not). Say so, naming the host."""
+        first = ordered[0]
+        if first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE) or not first.host:
+            return ordered
+        lost = [f for f in ordered if f.kind is first.kind and f.host == first.host]
+        ranks = sorted({f.rank for f in lost} | {
+            f.rank for f in vanished_later if f.host == first.host and f.kind is first.kind})
+        if first.kind is FailureKind.UNREACHABLE:
+            ranks = [r.rank for r in self.record.ranks if r.host == first.host and r.status != "done"]
+        if first.kind is FailureKind.UNREACHABLE:
+            reason = (f"its host {first.host} stopped answering (no reply within "
+                      f"{peer_timeout_s():g} s), with {describe_ranks(ranks)}: the network to "
+                      "that host is down, or the host is")
+        else:
+            reason = self._describe_lost(first.host, ranks)
+        for rank in ranks:
+            self.record.ranks[rank].status, self.record.ranks[rank].reason = "failed", reason
+        named = {id(f): dataclasses.replace(f, reason=reason) for f in lost}
+        return [named.get(id(f), f) for f in ordered]
+
 
     def _collect_results(self) -> None:
         values = [cloudpickle.loads(b) if b is not None else None

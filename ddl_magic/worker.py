@@ -30,6 +30,7 @@ import traceback
 
 import cloudpickle
 
+from .events import FailureKind
 from .output_lines import LineSplitter
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
@@ -136,13 +137,14 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tupl
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
             return 0, ("done", None)
-        return code, ("failed", f"SystemExit: {exc.code}\n", f"exit code {code}", code,
-                      _driver_time_ns())
+        return code, ("failed", FailureKind.RAISED.value, f"SystemExit: {exc.code}\n",
+                      f"exit code {code}", code, _driver_time_ns(), None)
     except BaseException as exc:
         failed_at_ns = _driver_time_ns()
         text = _user_traceback(exc)
-        reason = "lost a peer" if isinstance(exc, HorovodInternalError) else "exception"
-        return 1, ("failed", text, reason, 1, failed_at_ns)
+        kind = FailureKind.LOST_PEER if isinstance(exc, HorovodInternalError) else FailureKind.RAISED
+        return 1, ("failed", kind.value, text, kind.value if kind is FailureKind.LOST_PEER
+                   else "exception", 1, failed_at_ns, getattr(exc, "rank", None))
     if rank != 0 and not return_all:
         return 0, ("done", None)
     try:
@@ -151,7 +153,8 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tupl
         text = (f"the result on rank {rank} ({type(result).__name__}) cannot be pickled: {exc}\n"
                 "Return plain data (numbers, lists, tensors, a state_dict), or end the cell "
                 "with a statement instead of an expression.\n")
-        return 1, ("failed", text, "unpicklable result", 1)
+        return 1, ("failed", FailureKind.RAISED.value, text, "unpicklable result", 1,
+                   _driver_time_ns(), None)
 
 
 def _user_traceback(exc: BaseException) -> str:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ddl_magic.events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView
 from ddl_magic.ui.run_view import FAILED_ROW_BACKGROUND
 
@@ -135,7 +135,7 @@ def test_failed_rank_is_highlighted_with_its_traceback():
     view = make_view()
     view.handle(RankStarted(rank=0, host="node-a", pid=1))
     view.handle(RankStarted(rank=1, host="node-b", pid=2))
-    view.handle(RankFailed(rank=1, host="node-b", traceback=TRACEBACK, reason="exception"))
+    view.handle(RankFailed(rank=1, host="node-b", kind=FailureKind.RAISED, traceback=TRACEBACK, reason="exception"))
     view.refresh()
 
     state = view.state()
@@ -153,9 +153,9 @@ def test_failed_rank_is_highlighted_with_its_traceback():
 
 def test_first_failure_stays_the_headline():
     view = make_view(np=3)
-    view.handle(RankFailed(rank=2, host="node-c", traceback=TRACEBACK, reason="exception"))
-    view.handle(RankFailed(rank=0, host="node-a", traceback="", reason="connection lost"))
-    view.handle(RankFailed(rank=2, host="node-c", traceback="again", reason="exit code 1"))
+    view.handle(RankFailed(rank=2, host="node-c", kind=FailureKind.RAISED, traceback=TRACEBACK, reason="exception"))
+    view.handle(RankFailed(rank=0, host="node-a", kind=FailureKind.VANISHED, traceback="", reason="connection lost"))
+    view.handle(RankFailed(rank=2, host="node-c", kind=FailureKind.DIED, traceback="again", reason="exit code 1"))
     view.finish("failed")
 
     state = view.state()

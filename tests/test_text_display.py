@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from ddl_magic.events import RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView, TextDisplay, make_display
 from ddl_magic.ui.text_display import TIMELINE_SUMMARY_INTERVAL_S
 
@@ -110,10 +110,10 @@ def test_failure_prints_one_block_with_the_traceback(streams, clock):
     display.handle(RankStarted(rank=1, host="node-b", pid=2))
     display.handle(out(1, "bar 7%", replace=True))
     display.handle(out(1, "bar 8%", replace=True))
-    failure = RankFailed(rank=1, host="node-b", traceback=TRACEBACK, reason="exception")
+    failure = RankFailed(rank=1, host="node-b", kind=FailureKind.RAISED, traceback=TRACEBACK, reason="exception")
     display.handle(failure)
     display.handle(failure)
-    display.handle(RankFailed(rank=1, host="node-b", traceback="", reason="connection lost"))
+    display.handle(RankFailed(rank=1, host="node-b", kind=FailureKind.VANISHED, traceback="", reason="connection lost"))
     display.finish("failed")
 
     stdout, stderr = streams
@@ -126,7 +126,7 @@ def test_failure_prints_one_block_with_the_traceback(streams, clock):
 def test_failure_host_falls_back_to_the_host_the_rank_started_on(streams, clock):
     display = make_text_display(streams, clock)
     display.handle(RankStarted(rank=0, host="node-a", pid=1))
-    display.handle(RankFailed(rank=0, host="", traceback="", reason="killed by SIGKILL"))
+    display.handle(RankFailed(rank=0, host="", kind=FailureKind.DIED, traceback="", reason="killed by SIGKILL"))
     assert streams[1].getvalue() == "==== rank 0 (node-a) failed: killed by SIGKILL ====\n"
 
 
@@ -134,7 +134,7 @@ def test_quiet_prints_only_failures_and_the_closing_line(streams, clock):
     display = make_text_display(streams, clock, quiet=True)
     display.handle(out(0, "chatter"))
     display.handle(out(0, "bar", replace=True))
-    display.handle(RankFailed(rank=0, host="node-a", traceback=TRACEBACK, reason="exception"))
+    display.handle(RankFailed(rank=0, host="node-a", kind=FailureKind.RAISED, traceback=TRACEBACK, reason="exception"))
     display.finish("failed")
     stdout, stderr = streams
     assert "chatter" not in stdout.getvalue() and "bar" not in stdout.getvalue()

@@ -33,13 +33,14 @@ import functools
 import queue
 import re
 import threading
+import time
 import types
 import uuid
 from collections.abc import Callable
 
 from pyspark import InheritableThread
 
-from ..events import ProcessExited, RankFailed
+from ..events import FailureKind, ProcessExited, RankFailed, describe_ranks
 from . import spark_session
 
 # How many lines of a rank's own stdout/stderr (what it printed before it could report over
@@ -84,6 +85,12 @@ class SparkLauncher:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
+    @staticmethod
+    def describe_lost(host: str, ranks: list[int]) -> str:
+        """Ranks of one host vanished, and no task reported their exit: what ran them is gone."""
+        return (f"the Spark executor on {host} was lost, and {describe_ranks(ranks)} with it "
+                "(its process or its worker was killed, ran out of memory, or the host went down)")
+
     def check(self, np: int) -> None:
         """Refuse at once a run with more ranks than task slots (its cores over
         `spark.task.cpus`): Spark would retry the barrier stage for minutes."""
@@ -94,7 +101,9 @@ class SparkLauncher:
                 f"np={np} needs {np} Spark task slots at once (barrier tasks start together), "
                 f"but this SparkSession has {slots} ({cores} cores, "
                 f"spark.task.cpus={cpus_per_task}). Run with np={slots} or fewer, give "
-                "the cluster more executors or cores, or run the ranks as local processes.")
+                "the cluster more executors or cores, or run the ranks as local processes. "
+                "(Executors still starting do not count yet: on a cluster that just started, "
+                "run again once they have registered.)")
 
     def check_gpus(self, np: int) -> None:
         """GPU ranks need Spark to hand each task a GPU: refuse before launching if it won't."""
@@ -121,7 +130,11 @@ class SparkLauncher:
             except Exception as exc:  # whatever ended the job, the run must hear of it
                 if not self._stopping.is_set():
                     rank, reason, details = _describe_spark_error(exc)
-                    events.put(RankFailed(rank, "", details, reason))
+                    # An executor that died took its ranks with it (the driver names its host).
+                    kind = (FailureKind.VANISHED if "ExecutorLostFailure" in details
+                            else FailureKind.TASK_FAILED)
+                    events.put(RankFailed(rank, "", kind, details, reason,
+                                          at_ns=time.monotonic_ns()))
                 return
             for task_end in ended:  # what the control server has not heard already
                 if not task_end["reported"]:
