@@ -23,6 +23,8 @@ import time
 
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
                      TimelineBatch, TimelineStarted)
+from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register, Start,
+                       TaskExited, TaskOutput, TimelineEvents, TimelineStart)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -69,7 +71,7 @@ class ControlServer:
             channels = list(self._channels.values())
         for channel in channels:
             try:
-                channel.send(("abort", reason))
+                channel.send(Abort(reason))
             except OSError:
                 pass  # already gone
 
@@ -122,17 +124,17 @@ class ControlServer:
 
     def _register(self, channel: Channel) -> int | None:
         channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        while True:
-            message = channel.recv()
-            if message[0] == "clock":
-                channel.send(("clock", time.monotonic_ns()))
-                continue
-            break
+        while isinstance(message := channel.recv(), ClockProbe):
+            channel.send(ClockReading(time.monotonic_ns()))
         channel.sock.settimeout(None)
-        _, rank, host, ring_address, pid, torch_master = message
+        if not isinstance(message, Register):
+            raise ValueError(f"expected Register, got {type(message).__name__}")
+        rank, host, ring_address, pid, torch_master = (message.rank, message.host,
+                                                       message.ring_address, message.pid,
+                                                       message.torch_master)
         with self._lock:
             if self._closed or not 0 <= rank < self.np or rank in self._registrations:
-                channel.send(("abort", f"rank {rank} is not expected in this run"))
+                channel.send(Abort(f"rank {rank} is not expected in this run"))
                 return None
             self._channels[rank] = channel
             self._registrations[rank] = (rank, host, tuple(ring_address))
@@ -149,29 +151,28 @@ class ControlServer:
             peers = [self._registrations[rank] for rank in range(self.np)]
             channels = dict(self._channels)
         for rank, channel in channels.items():
-            channel.send(("start", peers, self._task, self._settings, self._torch_master))
+            channel.send(Start(peers, self._task, self._settings, self._torch_master))
 
     def _relay(self, channel: Channel, rank: int) -> None:
         host = self._registrations[rank][1]
         while True:
-            message = channel.recv()
-            kind = message[0]
-            if kind == "out":
-                _, stream, lines = message
-                for text, replace in lines:
-                    self.events.put(RankOutput(rank, stream, text, replace))
-            elif kind == "timeline":
-                self.events.put(TimelineBatch(rank, message[1]))
-            elif kind == "timeline_start":
-                self.events.put(TimelineStarted(rank, message[1]))
-            elif kind == "done":
-                self._finished.add(rank)
-                self.events.put(RankFinished(rank, message[1]))
-            elif kind == "failed":
-                _, failure_kind, text, reason, exit_code, at_ns, lost_rank = message
-                self._finished.add(rank)
-                self.events.put(RankFailed(rank, host, FailureKind(failure_kind), text, reason,
-                                           exit_code, at_ns, lost_rank))
+            match channel.recv():
+                case Output(stream, lines):
+                    for text, replace in lines:
+                        self.events.put(RankOutput(rank, stream, text, replace))
+                case TimelineEvents(events):
+                    self.events.put(TimelineBatch(rank, events))
+                case TimelineStart(path):
+                    self.events.put(TimelineStarted(rank, path))
+                case Finished(result):
+                    self._finished.add(rank)
+                    self.events.put(RankFinished(rank, result))
+                case Failed(kind, text, reason, exit_code, at_ns, lost_rank):
+                    self._finished.add(rank)
+                    self.events.put(RankFailed(rank, host, FailureKind(kind), text, reason,
+                                               exit_code, at_ns, lost_rank))
+                case other:
+                    raise ValueError(f"unexpected message from rank {rank}: {type(other).__name__}")
 
     def _relay_task(self, channel: Channel) -> None:
         """What a task relays for its rank: output lines, then the process's end."""
@@ -181,18 +182,15 @@ class ControlServer:
             self._task_channels.add(channel)
         try:
             while True:
-                message = channel.recv()
-                rank = message[1]
-                if not 0 <= rank < self.np:
-                    return
-                if message[0] == "out":
-                    _, _, stream, lines = message
-                    for text, replace in lines:
-                        self.events.put(RankOutput(rank, stream, text, replace))
-                elif message[0] == "exited":
-                    _, _, host, returncode, output = message
-                    self.events.put(ProcessExited(rank, returncode, output, host))
-                    return
+                match channel.recv():
+                    case TaskOutput(rank, stream, lines) if 0 <= rank < self.np:
+                        for text, replace in lines:
+                            self.events.put(RankOutput(rank, stream, text, replace))
+                    case TaskExited(rank, host, returncode, output) if 0 <= rank < self.np:
+                        self.events.put(ProcessExited(rank, returncode, output, host))
+                        return
+                    case _:
+                        return
         finally:
             with self._lock:
                 self._task_channels.discard(channel)
@@ -224,12 +222,12 @@ class TaskRelay:
 
     def output(self, stream: str, lines: list) -> None:
         with self._lock:
-            self._channel.send(("out", self.rank, stream, lines))
+            self._channel.send(TaskOutput(self.rank, stream, lines))
 
     def exited(self, host: str, returncode: int | None, output: str) -> None:
         """The rank's process ended (`returncode` None: it could not start, `output` says why)."""
         with self._lock:
-            self._channel.send(("exited", self.rank, host, returncode, output))
+            self._channel.send(TaskExited(self.rank, host, returncode, output))
 
     def close(self) -> None:
         self._channel.close()

@@ -24,6 +24,7 @@ from .control import ControlServer
 from .events import (ROOT_CAUSE_ORDER, FailureKind, ProcessExited, RankFailed, RankFinished,
                      RankOutput, RankStarted, TimelineBatch, TimelineStarted, describe_ranks)
 from .launch.local import describe_exit
+from .rank_record import RankRecord, RankStatus, new_records
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .ui import make_display
@@ -52,25 +53,6 @@ class RankFailedError(RuntimeError):
         self.rank, self.host, self.reason, self.traceback = rank, host, reason, traceback
         self.exit_code = exit_code  # what the rank exited with (negative: killed by that signal)
         self.run = run
-
-
-@dataclass
-class RankRecord:
-    rank: int
-    host: str = ""
-    pid: int | None = None
-    status: str = "starting"  # starting, running, done, failed, stopped
-    reason: str = ""
-    started_at: float | None = None
-    ended_at: float | None = None
-    exit_code: int | None = None
-    log_path: str = ""
-
-    @property
-    def duration_s(self) -> float | None:
-        if self.started_at is None:
-            return None
-        return (self.ended_at or time.time()) - self.started_at
 
 
 @dataclass
@@ -151,8 +133,7 @@ class Job:
             timeline_path = os.path.join(log_dir, "timeline.json")
         record = RunResult(run_id, self.np, self.launcher.where, log_dir=log_dir,
                            timeline_path=timeline_path)
-        record.ranks = [RankRecord(r, log_path=os.path.join(log_dir, f"rank-{r}.log"))
-                        for r in range(self.np)]
+        record.ranks = new_records(self.np, log_dir)
         _last_run = record
         events: queue.Queue = queue.Queue()
         env = {**options.env, TRANSPORT_VARIABLE: transport}
@@ -165,7 +146,8 @@ class Job:
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
-        display = make_display(self.np, quiet=options.hide_output, log_dir=log_dir, title=options.title)
+        display = make_display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
+                               title=options.title)
         watcher = _RunWatcher(record, display, timeline_path,
                               exits_follow_output=getattr(self.launcher, "forwards_output", False),
                               describe_lost=getattr(self.launcher, "describe_lost", None))
@@ -265,10 +247,10 @@ class _RunWatcher:
             # A running rank's end is reported by its control connection, in order after its
             # last words; only a rank that never connected is reported here.
             printed = event.output or "\n".join(self._output_before_start.pop(event.rank, []))
-            if rank.status == "starting" and event.returncode is None:  # it could not start
+            if rank.status is RankStatus.STARTING and event.returncode is None:  # it could not start
                 self.handle(RankFailed(event.rank, event.host, FailureKind.FAILED_TO_START, "",
                                        printed, at_ns=time.monotonic_ns()))
-            elif rank.status == "starting":
+            elif rank.status is RankStatus.STARTING:
                 self.handle(RankFailed(event.rank, rank.host or event.host,
                                        FailureKind.FAILED_TO_START, printed,
                                        describe_exit(event.returncode), event.returncode,
@@ -284,16 +266,16 @@ class _RunWatcher:
             return
         rank = record.ranks[event.rank]
         if isinstance(event, RankStarted):
-            rank.host, rank.pid, rank.status, rank.started_at = event.host, event.pid, "running", time.time()
+            rank.apply(event)
             self._output_before_start.pop(event.rank, None)
             if self._trace is not None:
                 self._trace.add_rank(event.rank, event.host)
         elif isinstance(event, RankOutput):
             self._logs[event.rank].write(event.text + "\n")
-            if rank.status == "starting":
+            if rank.status is RankStatus.STARTING:
                 self._output_before_start.setdefault(event.rank, []).append(event.text)
         elif isinstance(event, RankFinished):
-            rank.status, rank.ended_at = "done", time.time()
+            rank.apply(event)
             self._results[event.rank] = event.result
         elif isinstance(event, RankFailed):
             self._record_failure(rank, event)
@@ -311,15 +293,14 @@ class _RunWatcher:
                 self._trace.add_rank(rank.rank, rank.host)
 
     def _record_failure(self, rank: RankRecord, failure: RankFailed) -> None:
-        if rank.status in ("failed", "stopped"):
+        if rank.ended:
             return  # the process exit and the lost connection report the same end
-        rank.ended_at = time.time()
         if self._stopping or failure.exit_code == ABORTED_EXIT_CODE:
-            rank.status = "stopped"  # because another rank failed, or the run was interrupted
+            rank.end(RankStatus.STOPPED)  # because another rank failed, or the run was interrupted
             return
         # A lost connection may yet be a rank that we stopped, or one that died on its own:
         # `_raise_failure` decides, by when it happened and by its exit status.
-        rank.status, rank.reason = "failed", failure.reason
+        rank.apply(failure)
         if failure.traceback:
             self._logs[failure.rank].write(failure.traceback)
         self._failures.append(failure)
@@ -338,8 +319,8 @@ class _RunWatcher:
         record.status = status
         record.ended_at = time.time()
         for rank in record.ranks:
-            if rank.status in ("starting", "running"):
-                rank.status, rank.ended_at = "stopped", time.time()
+            if not rank.ended:
+                rank.end(RankStatus.STOPPED)
         for log in self._logs.values():
             log.close()
         if self._trace is not None:
@@ -377,7 +358,8 @@ class _RunWatcher:
                 elif rank.exit_code == ABORTED_EXIT_CODE or (
                         failure.kind is FailureKind.VANISHED and self._ended_after_abort(failure)
                         and failure.rank not in lost_early):
-                    rank.status, rank.reason = "stopped", ""  # the driver stopped it
+                    rank.end(RankStatus.STOPPED)  # the driver stopped it
+                    rank.failure = None
                     if rank.exit_code is None:  # ... unless nothing is left to report its exit
                         vanished_later.append(failure)
                     continue
@@ -385,7 +367,7 @@ class _RunWatcher:
         ordered = sorted(failures, key=lambda f: (ROOT_CAUSE_ORDER[f.kind], f.at_ns or 0))
         ordered = self._lost_hosts_named(ordered, vanished_later)
         for failure in ordered:
-            self.record.ranks[failure.rank].reason = failure.reason
+            self.record.ranks[failure.rank].end(RankStatus.FAILED, failure.reason)
             self.display.handle(failure)
         first = ordered[0]
         self.record.status = "failed"
@@ -408,20 +390,20 @@ class _RunWatcher:
         if first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE) or not first.host:
             return ordered
         lost = [f for f in ordered if f.kind is first.kind and f.host == first.host]
-        ranks = sorted({f.rank for f in lost} | {
-            f.rank for f in vanished_later if f.host == first.host and f.kind is first.kind})
+        lost += [f for f in vanished_later if f.kind is first.kind and f.host == first.host]
+        ranks = sorted({f.rank for f in lost})
         if first.kind is FailureKind.UNREACHABLE:
-            ranks = [r.rank for r in self.record.ranks if r.host == first.host and r.status != "done"]
-        if first.kind is FailureKind.UNREACHABLE:
+            ranks = [r.rank for r in self.record.ranks
+                     if r.host == first.host and r.status is not RankStatus.DONE]
             reason = (f"its host {first.host} stopped answering (no reply within "
                       f"{peer_timeout_s():g} s), with {describe_ranks(ranks)}: the network to "
                       "that host is down, or the host is")
         else:
             reason = self._describe_lost(first.host, ranks)
         for rank in ranks:
-            self.record.ranks[rank].status, self.record.ranks[rank].reason = "failed", reason
-        named = {id(f): dataclasses.replace(f, reason=reason) for f in lost}
-        return [named.get(id(f), f) for f in ordered]
+            self.record.ranks[rank].end(RankStatus.FAILED, reason)
+        named = [dataclasses.replace(f, reason=reason) for f in lost]
+        return named + [f for f in ordered if f not in lost]
 
 
     def _collect_results(self) -> None:

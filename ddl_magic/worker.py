@@ -31,6 +31,7 @@ import traceback
 import cloudpickle
 
 from .events import FailureKind
+from .messages import (ClockProbe, Failed, Finished, Output, Register, Start, TimelineEvents)
 from .output_lines import LineSplitter
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
@@ -88,13 +89,13 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     # Rank 0 keeps a port for torch.distributed's store (MASTER_PORT) until the task starts.
     store_port = reserve_port() if rank == 0 else None
     torch_master = (advertised_ip, store_port.getsockname()[1]) if store_port else None
-    channel.send(("register", rank, _host_name(rank), listener.getsockname(), os.getpid(),
-                  torch_master))
-    message = channel.recv()
-    if message[0] == "abort":
-        return 1
-    _, peers, task_bytes, settings, torch_master = message
-    peers = [Peer(*p) for p in peers]
+    channel.send(Register(rank, _host_name(rank), listener.getsockname(), os.getpid(),
+                          torch_master))
+    match channel.recv():
+        case Start(peers, task_bytes, settings, torch_master):
+            peers = [Peer(*p) for p in peers]
+        case _:  # Abort: this rank is not expected
+            return 1
     os.environ.update(settings["env"])
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)
@@ -129,32 +130,31 @@ def _host_name(rank: int) -> str:
     return simulated.split(",")[rank].strip() if simulated else socket.gethostname()
 
 
-def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, tuple]:
+def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Finished | Failed]:
     try:
         task = cloudpickle.loads(task_bytes)
         result = task.run()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
-            return 0, ("done", None)
-        return code, ("failed", FailureKind.RAISED.value, f"SystemExit: {exc.code}\n",
-                      f"exit code {code}", code, _driver_time_ns(), None)
+            return 0, Finished(None)
+        return code, Failed(FailureKind.RAISED, f"SystemExit: {exc.code}\n", f"exit code {code}",
+                            code, _driver_time_ns())
     except BaseException as exc:
         failed_at_ns = _driver_time_ns()
         text = _user_traceback(exc)
         kind = FailureKind.LOST_PEER if isinstance(exc, HorovodInternalError) else FailureKind.RAISED
-        return 1, ("failed", kind.value, text, kind.value if kind is FailureKind.LOST_PEER
-                   else "exception", 1, failed_at_ns, getattr(exc, "rank", None))
+        reason = kind.value if kind is FailureKind.LOST_PEER else "exception"
+        return 1, Failed(kind, text, reason, 1, failed_at_ns, getattr(exc, "rank", None))
     if rank != 0 and not return_all:
-        return 0, ("done", None)
+        return 0, Finished(None)
     try:
-        return 0, ("done", cloudpickle.dumps(result))
+        return 0, Finished(cloudpickle.dumps(result))
     except Exception as exc:
         text = (f"the result on rank {rank} ({type(result).__name__}) cannot be pickled: {exc}\n"
                 "Return plain data (numbers, lists, tensors, a state_dict), or end the cell "
                 "with a statement instead of an expression.\n")
-        return 1, ("failed", FailureKind.RAISED.value, text, "unpicklable result", 1,
-                   _driver_time_ns(), None)
+        return 1, Failed(FailureKind.RAISED, text, "unpicklable result", 1, _driver_time_ns())
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -180,8 +180,8 @@ def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
     best_rtt, best_offset = None, 0
     for _ in range(probes):
         sent = time.monotonic_ns()
-        channel.send(("clock",))
-        _, driver_ns = channel.recv()
+        channel.send(ClockProbe())
+        driver_ns = channel.recv().driver_ns
         received = time.monotonic_ns()
         if best_rtt is None or received - sent < best_rtt:
             best_rtt, best_offset = received - sent, driver_ns - (sent + received) // 2
@@ -191,7 +191,7 @@ def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
 def _obey_driver(channel: Channel) -> None:
     """Exit at once when the driver aborts the run or disappears: no rank outlives its run."""
     try:
-        channel.recv()  # the only message a running rank receives is "abort"
+        channel.recv()  # the only message a running rank receives is Abort
     except (OSError, PeerClosedError, EOFError):
         pass  # the driver went away
     if not _leaving.is_set():
@@ -230,7 +230,7 @@ class _TimelineShipper:
     def _ship(self) -> None:
         events = recorder.drain()
         if events:
-            self._channel.send(("timeline", events))
+            self._channel.send(TimelineEvents(events))
 
     def stop(self) -> None:
         self._stopped.set()
@@ -300,9 +300,9 @@ class _ForwardedOutput:
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
             while chunk := pipe.read(65536):
                 if lines := splitter.feed(chunk):
-                    self._channel.send(("out", stream, lines))
+                    self._channel.send(Output(stream, lines))
         if last := splitter.finish():
-            self._channel.send(("out", stream, last))
+            self._channel.send(Output(stream, last))
 
 
 if __name__ == "__main__":

@@ -31,12 +31,26 @@ raw_frames = st.one_of(
     st.builds(lambda length, body: LENGTH.pack(length) + body,  # oversized
               st.integers(1 << 32, (1 << 64) - 1), st.binary(max_size=64)),
 )
-# Pickled objects of every shape, some looking like the messages the servers expect.
+
+
+def message_classes():
+    """Every message class of the protocol, with how many fields each takes."""
+    import dataclasses
+
+    from ddl_magic import messages
+
+    return [(cls, len(dataclasses.fields(cls))) for cls in vars(messages).values()
+            if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and cls.__module__ == messages.__name__]
+
+
+# Pickled objects of every shape, some of them the servers' own messages with fields of any
+# type and value.
 messages = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=12) | st.binary(max_size=12),
     lambda inner: (st.lists(inner, max_size=4) | st.tuples(inner, inner)
-                   | st.tuples(st.sampled_from(["clock", "register", "out", "exited", "done",
-                                                "failed", "timeline"]), inner, inner)),
+                   | st.sampled_from(message_classes()).flatmap(
+                       lambda kind: st.builds(kind[0], *[inner] * kind[1]))),
     max_leaves=8,
 ).filter(lambda message: message != EXPECTED_RANK)
 after_handshake = st.one_of(raw_frames, st.builds(lambda m: frame(pickle.dumps(m)), messages))

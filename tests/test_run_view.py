@@ -294,3 +294,31 @@ def test_no_dropped_note_while_everything_fits():
     view.refresh()
     assert "not shown" not in tab_text(view, 1)
     assert view.state()["ranks"][0]["dropped"] == 0
+
+
+def test_the_view_renders_the_drivers_records_as_the_driver_decided_them():
+    """Given the run's records, the view shows what the driver decided (a rank it stopped
+    after another failed), not what the events alone would suggest, and so does the text
+    display: one record per rank behind both."""
+    from io import StringIO
+
+    from ddl_magic.rank_record import RankStatus, new_records
+    from ddl_magic.ui import TextDisplay
+
+    records = new_records(2)
+    view, text = RunView(records, "%%horovod -np 2", None), TextDisplay(records, StringIO(),
+                                                                          error_stream=StringIO())
+    for rank, host in ((0, "node-a"), (1, "node-b")):
+        records[rank].apply(RankStarted(rank=rank, host=host, pid=100 + rank))
+    cause = RankFailed(rank=0, host="", kind=FailureKind.RAISED, traceback=TRACEBACK,
+                       reason="exception")
+    records[0].apply(cause)
+    records[1].end(RankStatus.STOPPED)  # the driver's decision: it stopped rank 1
+    for display in (view, text):
+        display.handle(cause)
+        display.finish("failed")
+    state = view.state()
+    assert [r["status"] for r in state["ranks"]] == ["failed", "stopped"]
+    assert state["ranks"][0]["host"] == "node-a" and state["failed_rank"] == 0
+    assert "rank 0 on node-a failed: exception" in view.widget.children[2].value
+    assert "==== rank 0 (node-a) failed: exception ====" in text._err().getvalue()

@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 
+from ..messages import Abort, Bye, CycleToRun, Submit
 from ..protocol import PeerClosedError
 from .collectives import CollectiveRunner
 from .errors import HorovodInternalError, PeerLostError
@@ -91,17 +92,18 @@ class TcpOpQueue(OpQueue):
             if self._wake_receiver in readable:
                 entries, waited, closing = self._take_incoming()
                 if entries or waited:
-                    self._send_to_rank_0(channel, ("submit", [self._cache.encode(e.request)
-                                                              for e in entries], waited))
+                    self._send_to_rank_0(channel, Submit([self._cache.encode(e.request)
+                                                          for e in entries], waited))
                 if closing:
-                    self._send_to_rank_0(channel, ("bye",))
+                    self._send_to_rank_0(channel, Bye())
                     return
             if channel.sock in readable:
-                message = self._recv(channel, 0)
-                if message[0] == "abort":
-                    raise HorovodInternalError(message[1])
-                self._cache.update(message[1].cache_updates)
-                self._execute(message[1])
+                match self._recv(channel, 0):
+                    case Abort(reason):
+                        raise HorovodInternalError(reason)
+                    case CycleToRun(cycle):
+                        self._cache.update(cycle.cache_updates)
+                        self._execute(cycle)
 
     def _send_to_rank_0(self, channel, message) -> None:
         try:
@@ -112,8 +114,8 @@ class TcpOpQueue(OpQueue):
             try:
                 channel.sock.settimeout(1.0)
                 last = channel.recv()
-                if last[0] == "abort":
-                    raise HorovodInternalError(last[1]) from exc
+                if isinstance(last, Abort):
+                    raise HorovodInternalError(last.reason) from exc
             except (OSError, PeerClosedError, EOFError):
                 pass
             raise PeerLostError(self.world.run_ranks[0], self.world.peers[0].host,
@@ -128,7 +130,7 @@ class TcpOpQueue(OpQueue):
             reason = str(exc) if isinstance(exc, HorovodInternalError) else f"rank 0: {exc}"
             for channel in followers.values():
                 try:
-                    channel.send(("abort", reason))
+                    channel.send(Abort(reason))
                 except OSError:
                     pass
             raise
@@ -148,23 +150,23 @@ class TcpOpQueue(OpQueue):
                     coordinator.note_waited(waited)
                     if closing:
                         for channel in followers.values():
-                            channel.send(("abort", "rank 0 has shut down"))
+                            channel.send(Abort("rank 0 has shut down"))
                         return
                     continue
                 rank = by_socket[sock]
-                message = self._recv(followers[rank], rank)
-                if message[0] == "bye":
-                    raise PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host,
-                                        "it has shut down")
-                _, requests, waited = message
-                coordinator.submit(rank, requests, now)
-                coordinator.note_waited(waited)
+                match self._recv(followers[rank], rank):
+                    case Bye():
+                        raise PeerLostError(self.world.run_ranks[rank],
+                                            self.world.peers[rank].host, "it has shut down")
+                    case Submit(requests, waited):
+                        coordinator.submit(rank, requests, now)
+                        coordinator.note_waited(waited)
             for warning in coordinator.stall_warnings(now):
                 print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
             cycle = coordinator.take_cycle(now)
             if cycle is not None:
                 for channel in followers.values():
-                    channel.send(("cycle", cycle))
+                    channel.send(CycleToRun(cycle))
                 self._execute(cycle)
 
     def _recv(self, channel, rank: int):

@@ -17,6 +17,7 @@ import socket
 from typing import ContextManager
 
 from .. import worker
+from ..messages import TimelineStart
 from ..runtime.timeline import recorder
 
 _standalone_path: str | None = None
@@ -32,7 +33,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording the timeline to `file_path` (Chrome trace format)."""
     global _standalone_path
     if worker.control is not None:
-        worker.control.send(("timeline_start", str(file_path)))
+        worker.control.send(TimelineStart(str(file_path)))
         worker.start_timeline_shipping()
     else:
         _standalone_path = str(file_path)

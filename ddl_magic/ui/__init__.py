@@ -3,7 +3,7 @@
 The driver drains the run's event queue on the notebook's main thread and hands each event
 to one display, through the same four calls whichever display it is::
 
-    display = make_display(np=4, log_dir=log_dir, title="%%horovod -np 4")
+    display = make_display(ranks, log_dir=log_dir, title="%%horovod -np 4")
     display.display()
     display.handle(event)      # for each event; cheap, changes only Python-side state
     display.refresh()          # at most every ~100 ms, and once at the end
@@ -16,6 +16,7 @@ import os
 from typing import Any, Protocol
 
 from ..events import Event
+from ..rank_record import RankRecord
 from .run_view import RunView
 from .text_display import TextDisplay
 
@@ -36,8 +37,12 @@ class RunDisplay(Protocol):
     def finish(self, status: str) -> None: ...
 
 
-def make_display(np: int, *, quiet: bool = False, log_dir: str | None = None, title: str = "") -> RunDisplay:
-    """The display for a run of ``np`` ranks: ``RunView`` in a Jupyter kernel, else ``TextDisplay``.
+def make_display(ranks: "int | list[RankRecord]", *, quiet: bool = False, log_dir: str | None = None,
+                 title: str = "") -> RunDisplay:
+    """The display for a run: ``RunView`` in a Jupyter kernel, else ``TextDisplay``.
+
+    ``ranks`` is the run's list of `RankRecord`, which the driver keeps and the display
+    renders, or a number of ranks for a display that keeps its own from the events.
 
     Set ``DDL_MAGIC_DISPLAY=text`` to get the text display in a kernel too (frontends that do
     not render widgets). ``quiet`` prints only failures and the closing line, in any setting.
@@ -50,10 +55,10 @@ def make_display(np: int, *, quiet: bool = False, log_dir: str | None = None, ti
     if choice not in ("", "text"):
         raise ValueError(f"{DISPLAY_ENV}={choice!r} is not understood: set it to 'text' or unset it")
     if quiet:
-        return TextDisplay(np, log_dir=log_dir, quiet=True)
+        return TextDisplay(ranks, log_dir=log_dir, quiet=True)
     if choice != "text" and _in_jupyter_kernel():
-        return RunView(np, title, log_dir)
-    return TextDisplay(np, log_dir=log_dir)
+        return RunView(ranks, title, log_dir)
+    return TextDisplay(ranks, log_dir=log_dir)
 
 
 def _in_jupyter_kernel() -> bool:

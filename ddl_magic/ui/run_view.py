@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from ..events import Event, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ..events import Event, RankFailed, RankOutput, TimelineBatch
+from ..rank_record import RankRecord, RankStatus, new_records
 
 STATUS_COLOURS = {
     "starting": "#9e9e9e",
@@ -87,35 +88,29 @@ class BoundedLog:
 
 
 @dataclass
-class RankState:
-    """What the view knows about one rank."""
+class RankOutputView:
+    """What the view keeps of one rank's output (its status is in the rank's `RankRecord`)."""
 
     rank: int
     log: BoundedLog
-    status: str = "starting"
-    host: str = ""
-    pid: int | None = None
-    started_at: float | None = None
-    ended_at: float | None = None
     last_line: str = ""
-    failure: RankFailed | None = None
     # The rank's progress line that a redraw replaces, and where it sits in "all ranks";
     # None once a normal line follows it (it then stays in the log as it last read).
     progress: LogLine | None = None
     progress_position_in_all: int = -1
     log_changed: bool = True
 
-    @property
-    def ended(self) -> bool:
-        return self.status in ("done", "failed", "stopped")
-
 
 class RunView:
     """A live ipywidgets view of one run's ranks.
 
+    ``ranks`` is the run's list of `RankRecord` (the driver keeps them up to date and the
+    view renders them), or a number of ranks for a view that keeps its own records from the
+    events it is given.
+
     Example::
 
-        view = RunView(np=4, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
+        view = RunView(4, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
         view.display()
         for event in events:           # the driver's drain loop
             view.handle(event)
@@ -123,23 +118,26 @@ class RunView:
         view.finish("done")
     """
 
-    def __init__(self, np: int, title: str, log_dir: str | None, max_lines: int = 500,
-                 timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
+    def __init__(self, ranks: int | list[RankRecord], title: str, log_dir: str | None,
+                 max_lines: int = 500, timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
                  timeline_share: float = LIVE_TIMELINE_SHARE) -> None:
+        np = ranks if isinstance(ranks, int) else len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
         if max_lines < 1:
             raise ValueError(f"max_lines must be at least 1, got {max_lines}")
+        self._keeps_records = isinstance(ranks, int)
+        self._records = new_records(np, log_dir) if self._keeps_records else ranks
         self.np = np
         self.title = title
         self.log_dir = log_dir
         self.max_lines = max_lines
         self.timeline_interval_s = timeline_interval_s
         self.timeline_share = timeline_share
-        self._ranks = [RankState(rank, BoundedLog(max_lines)) for rank in range(np)]
+        self._ranks = [RankOutputView(rank, BoundedLog(max_lines)) for rank in range(np)]
         self._all = BoundedLog(max_lines)
         self._all_changed = True
-        self._failed_rank: int | None = None
+        self._failures: dict[int, RankFailed] = {}  # as shown: the first is the cause
         self._outcome = "running"
         self._started_at = time.monotonic()
         self._finished_at: float | None = None
@@ -175,22 +173,12 @@ class RunView:
             self._add_timeline(event)
             return
         rank = self._rank(event.rank)
-        if isinstance(event, RankStarted):
-            rank.host, rank.pid = event.host, event.pid
-            rank.started_at = time.monotonic()
-            if rank.status == "starting":
-                rank.status = "running"
-        elif isinstance(event, RankOutput):
+        if self._keeps_records:
+            self._records[event.rank].apply(event)
+        if isinstance(event, RankOutput):
             self._add_output(rank, event)
-        elif isinstance(event, RankFinished):
-            self._end(rank, "done")
-        elif isinstance(event, RankFailed):
-            rank.host = event.host or rank.host
-            if not rank.ended:
-                rank.failure = event
-                self._end(rank, "failed")
-                if self._failed_rank is None:
-                    self._failed_rank = rank.rank
+        elif isinstance(event, RankFailed) and self._records[event.rank].status is RankStatus.FAILED:
+            self._failures.setdefault(event.rank, event)
 
     def refresh(self) -> None:
         """Push the changes since the last refresh to the widgets."""
@@ -198,7 +186,7 @@ class RunView:
         self._banner.value = self._render_banner(now)
         self._table.value = self._render_table(now)
         self._failure.value = self._render_failure()
-        self._tabs.titles = ("all ranks", *(self._tab_title(rank) for rank in self._ranks))
+        self._tabs.titles = ("all ranks", *(self._tab_title(record) for record in self._records))
         for rank, tab in zip(self._ranks, self._rank_tabs):
             if rank.log_changed:
                 tab.value = self._render_log(rank.log, self._log_note(rank.log, rank.rank), labelled=False)
@@ -224,9 +212,9 @@ class RunView:
             return
         self._finished_at = time.monotonic()
         self._outcome = status
-        for rank in self._ranks:
-            if not rank.ended:
-                self._end(rank, "stopped")
+        for record in self._records:
+            if not record.ended:
+                record.end(RankStatus.STOPPED)
         self.refresh()
         if self._live is not None:
             self._draw_timeline(self._finished_at)
@@ -238,26 +226,26 @@ class RunView:
             "title": self.title,
             "status": self._outcome,
             "elapsed_s": now - self._started_at,
-            "failed_rank": self._failed_rank,
+            "failed_rank": next(iter(self._failures), None),
             "log_dir": self.log_dir,
             "ranks": [
                 {
                     "rank": rank.rank,
-                    "status": rank.status,
-                    "host": rank.host,
-                    "pid": rank.pid,
-                    "elapsed_s": self._elapsed(rank, now),
+                    "status": record.status.value,
+                    "host": record.host,
+                    "pid": record.pid,
+                    "elapsed_s": self._elapsed(record, now),
                     "last_line": rank.last_line,
                     "lines": [line.text for line in rank.log.lines],
                     "dropped": rank.log.dropped,
                     "log_path": self._log_path(rank.rank),
                     "failure": (
-                        {"reason": rank.failure.reason, "traceback": rank.failure.traceback}
-                        if rank.failure
+                        {"reason": failure.reason, "traceback": failure.traceback}
+                        if (failure := self._failures.get(rank.rank))
                         else None
                     ),
                 }
-                for rank in self._ranks
+                for rank, record in zip(self._ranks, self._records)
             ],
             "all_ranks": {
                 "lines": [f"[{line.rank}] {line.text}" for line in self._all.lines],
@@ -297,7 +285,7 @@ class RunView:
 
     def _draw_timeline_now(self) -> None:
         self._live.rank_names = {r.rank: f"rank {r.rank} ({r.host})" if r.host else f"rank {r.rank}"
-                                 for r in self._ranks}
+                                 for r in self._records}
         self._live_summary.value = self._render_timeline_summary()
         trace = self._live.trace()
         if self._live_lanes is None:
@@ -320,12 +308,12 @@ class RunView:
         style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
         return f'<b>timeline so far</b><table style="{style}">{header}{"".join(rows)}</table>'
 
-    def _rank(self, rank: int) -> RankState:
+    def _rank(self, rank: int) -> RankOutputView:
         if not 0 <= rank < self.np:
             raise ValueError(f"event for rank {rank}, but this run has ranks 0..{self.np - 1}")
         return self._ranks[rank]
 
-    def _add_output(self, rank: RankState, event: RankOutput) -> None:
+    def _add_output(self, rank: RankOutputView, event: RankOutput) -> None:
         if event.replace and rank.progress is not None:
             rank.progress.text = event.text
             # Other ranks' lines can push the bar out of "all ranks"; it comes back at the bottom.
@@ -343,32 +331,26 @@ class RunView:
         rank.log_changed = True
         self._all_changed = True
 
-    def _end(self, rank: RankState, status: str) -> None:
-        if rank.ended:
-            return
-        rank.status = status
-        rank.ended_at = time.monotonic()
-
     def _now(self) -> float:
         return self._finished_at if self._finished_at is not None else time.monotonic()
 
-    def _elapsed(self, rank: RankState, now: float) -> float | None:
-        if rank.started_at is None:
+    def _elapsed(self, record: RankRecord, now: float) -> float | None:
+        if record.started_at is None:
             return None
-        end = rank.ended_at if rank.ended_at is not None else now
-        return end - rank.started_at
+        end = record.ended_at if record.ended_at is not None else now
+        return end - record.started_at
 
     def _log_path(self, rank: int) -> str | None:
         return os.path.join(self.log_dir, f"rank-{rank}.log") if self.log_dir else None
 
-    def _tab_title(self, rank: RankState) -> str:
-        return f"rank {rank.rank} ✗" if rank.status == "failed" else f"rank {rank.rank}"
+    def _tab_title(self, record: RankRecord) -> str:
+        return f"rank {record.rank} ✗" if record.status is RankStatus.FAILED else f"rank {record.rank}"
 
     def _render_banner(self, now: float) -> str:
         colour = OUTCOME_COLOURS[self._outcome]
         elapsed = _format_elapsed(now - self._started_at)
         if self._outcome == "running":
-            done = sum(rank.status == "done" for rank in self._ranks)
+            done = sum(record.status is RankStatus.DONE for record in self._records)
             summary = f"running · {done}/{self.np} done · {elapsed}"
         elif self._outcome == "done":
             summary = f"done in {elapsed}"
@@ -382,15 +364,16 @@ class RunView:
 
     def _render_table(self, now: float) -> str:
         rows = []
-        for rank in self._ranks:
-            elapsed = self._elapsed(rank, now)
-            background = f' style="background:{FAILED_ROW_BACKGROUND}"' if rank.status == "failed" else ""
+        for rank, record in zip(self._ranks, self._records):
+            elapsed = self._elapsed(record, now)
+            failed = record.status is RankStatus.FAILED
+            background = f' style="background:{FAILED_ROW_BACKGROUND}"' if failed else ""
             last_line = rank.last_line
             if len(last_line) > LAST_LINE_CHARS:
                 last_line = last_line[: LAST_LINE_CHARS - 1] + "…"
             rows.append(
-                f"<tr{background}><td>{rank.rank}</td><td>{_badge(rank.status)}</td>"
-                f"<td>{html.escape(rank.host) or '—'}</td>"
+                f"<tr{background}><td>{rank.rank}</td><td>{_badge(record.status)}</td>"
+                f"<td>{html.escape(record.host) or '—'}</td>"
                 f"<td>{'—' if elapsed is None else _format_elapsed(elapsed)}</td>"
                 f"<td><code>{html.escape(last_line)}</code></td></tr>"
             )
@@ -400,19 +383,15 @@ class RunView:
         return f'<table style="{style}">{header}{"".join(rows)}</table>'
 
     def _render_failure(self) -> str:
-        if self._failed_rank is None:
+        if not self._failures:
             return ""
-        first = self._ranks[self._failed_rank].failure
-        others = [
-            f"rank {rank.rank} ({html.escape(rank.failure.reason)})"
-            for rank in self._ranks
-            if rank.failure is not None and rank.rank != self._failed_rank
-        ]
+        first, *rest = self._failures.values()
+        others = [f"rank {failure.rank} ({html.escape(failure.reason)})" for failure in rest]
         also = f"<div>also failed: {', '.join(others)}</div>" if others else ""
         return (
             f'<div style="border-left:4px solid {STATUS_COLOURS["failed"]};'
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
-            f"<b>rank {first.rank} on {html.escape(first.host or '?')} failed: "
+            f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
             f'<pre style="margin:4px 0">{html.escape(first.traceback)}</pre>{also}</div>'
         )
@@ -440,10 +419,10 @@ class RunView:
         )
 
 
-def _badge(status: str) -> str:
+def _badge(status: RankStatus) -> str:
     return (
-        f'<span style="background:{STATUS_COLOURS[status]};color:white;'
-        f'padding:0 6px;border-radius:8px">{status}</span>'
+        f'<span style="background:{STATUS_COLOURS[status.value]};color:white;'
+        f'padding:0 6px;border-radius:8px">{status.value}</span>'
     )
 
 

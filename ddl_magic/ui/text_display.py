@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from ..events import Event, RankFailed, RankOutput, RankStarted, TimelineBatch
+from ..events import Event, RankFailed, RankOutput, TimelineBatch
+from ..rank_record import RankRecord, new_records
 
 PROGRESS_INTERVAL_S = 2.0
 TIMELINE_SUMMARY_INTERVAL_S = 5.0
@@ -34,20 +35,22 @@ TIMELINE_SUMMARY_INTERVAL_S = 5.0
 class TextDisplay:
     """Prints a run's events as rank-prefixed text; same API as ``RunView``.
 
+    ``ranks`` is the run's list of `RankRecord`, which the driver keeps up to date, or a
+    number of ranks for a display that keeps its own records from the events it is given.
     ``stream`` and ``error_stream`` default to ``sys.stdout`` and ``sys.stderr`` as they are
     when something is printed (so redirections made after construction apply). With
     ``quiet``, rank output is not printed; failures and the final line still are.
 
     Example::
 
-        display = TextDisplay(np=2, log_dir="/tmp/ddl_magic/run-1")
+        display = TextDisplay(2, log_dir="/tmp/ddl_magic/run-1")
         display.handle(RankOutput(rank=0, stream="stdout", text="hello"))  # prints "[0] hello"
         display.finish("done")
     """
 
     def __init__(
         self,
-        np: int,
+        ranks: int | list[RankRecord],
         stream: TextIO | None = None,
         log_dir: str | None = None,
         *,
@@ -55,8 +58,11 @@ class TextDisplay:
         quiet: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        np = ranks if isinstance(ranks, int) else len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
+        self._keeps_records = isinstance(ranks, int)
+        self._records = new_records(np, log_dir) if self._keeps_records else ranks
         self.np = np
         self.log_dir = log_dir
         self.quiet = quiet
@@ -64,8 +70,7 @@ class TextDisplay:
         self._error_stream = error_stream
         self._clock = clock
         self._started_at = clock()
-        self._hosts = [""] * np
-        self._failures: dict[int, RankFailed] = {}
+        self._failures: dict[int, RankFailed] = {}  # as printed: the first is the cause
         # Each rank's newest progress redraw not printed yet, and when its last one was.
         self._pending_progress: list[RankOutput | None] = [None] * np
         self._progress_printed_at = [float("-inf")] * np
@@ -79,10 +84,10 @@ class TextDisplay:
 
     def handle(self, event: Event) -> None:
         """Print what ``event`` says, if anything (progress lines may wait, see the module doc)."""
-        if isinstance(event, RankStarted):
-            self._hosts[self._check_rank(event.rank)] = event.host
-        elif isinstance(event, TimelineBatch):
-            self._check_rank(event.rank)
+        self._check_rank(event.rank)
+        if self._keeps_records:
+            self._records[event.rank].apply(event)
+        if isinstance(event, TimelineBatch):
             if self.quiet:
                 return  # its summary would not be printed
             if self._timeline is None:
@@ -91,7 +96,6 @@ class TextDisplay:
                 self._timeline = LiveTimeline()
             self._timeline.add(event.rank, event.events)
         elif isinstance(event, RankOutput):
-            self._check_rank(event.rank)
             if self.quiet:
                 return
             if event.replace:
@@ -101,7 +105,6 @@ class TextDisplay:
                 self._print_progress(event.rank)
                 self._print_line(event)
         elif isinstance(event, RankFailed):
-            self._check_rank(event.rank)
             if event.rank not in self._failures:
                 self._failures[event.rank] = event
                 self._print_progress(event.rank)
@@ -181,7 +184,7 @@ class TextDisplay:
         self._flush()
 
     def _host(self, failure: RankFailed) -> str:
-        return failure.host or self._hosts[failure.rank] or "unknown host"
+        return failure.host or self._records[failure.rank].host or "unknown host"
 
     def _write(self, stream: TextIO, text: str) -> None:
         # Flushing when switching streams keeps stdout and stderr lines in order on a terminal.

@@ -1,0 +1,146 @@
+"""Every message that crosses a connection between the driver and the ranks, and between
+ranks as they negotiate: one frozen dataclass each, sent whole over an authenticated
+`protocol.Channel`.
+
+Who sends what:
+
+    rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
+                         Finished, Failed
+    driver ──► rank      ClockReading, Start, Abort
+    task ──► driver      TaskOutput, TaskExited   (what started the rank, e.g. a Spark task)
+    rank ──► rank 0      Submit, Bye              (negotiation over TCP, `op_queue_tcp.py`)
+    rank 0 ──► ranks     CycleToRun, Abort
+
+A receiver matches on the class (`match message: case Output(stream, lines): ...`); anything
+else is a malformed message, which ends that connection without disturbing the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .events import FailureKind
+
+# ---- driver and ranks --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClockProbe:
+    """A rank asks for the driver's monotonic clock, to put its timeline on the driver's."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClockReading:
+    driver_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """A rank says who and where it is: its host, its ring listener, and (rank 0) the port it
+    keeps for torch.distributed's store."""
+
+    rank: int
+    host: str
+    ring_address: tuple[str, int]
+    pid: int
+    torch_master: tuple[str, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Every rank registered: the peer table (rank, host, ring address), the task and its
+    settings, and where torch.distributed's store listens."""
+
+    peers: list[tuple[int, str, tuple[str, int]]]
+    task: bytes
+    settings: dict
+    torch_master: tuple[str, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop now (driver to ranks; rank 0 to the others when negotiation fails)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """Lines a rank wrote: (text, replace) pairs, `replace` for a line ended by a carriage return."""
+
+    stream: str  # "stdout" or "stderr"
+    lines: list[tuple[str, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineEvents:
+    events: list
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineStart:
+    """The rank called hvd.start_timeline(path)."""
+
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The task returned; `result` is its cloudpickled value (None where not asked for)."""
+
+    result: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The task failed on this rank: `kind` for attribution, the rest for the user."""
+
+    kind: FailureKind
+    traceback: str
+    reason: str
+    exit_code: int
+    at_ns: int  # on the driver's clock
+    lost_rank: int | None = None  # FailureKind.LOST_PEER: the rank it lost
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutput:
+    """Lines a rank's process wrote, relayed by the task that started it."""
+
+    rank: int
+    stream: str
+    lines: list[tuple[str, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskExited:
+    """A rank's process ended (`returncode` None: it could not start, `output` says why)."""
+
+    rank: int
+    host: str
+    returncode: int | None
+    output: str
+
+
+# ---- negotiation (rank 0 coordinates the others over TCP) --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Requests submitted since the last message (cache ids for known ones), and the names
+    some thread of this rank now waits for."""
+
+    requests: list
+    waited: list
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """This rank has shut down."""
+
+
+@dataclass(frozen=True, slots=True)
+class CycleToRun:
+    """What every rank runs next, in this order."""
+
+    cycle: object  # negotiation.Cycle

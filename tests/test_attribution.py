@@ -1,0 +1,90 @@
+"""Which failure the driver names as the cause, from the failures' kinds, times and exit
+statuses (never their text): the cases the multi-host and kill tests meet, replayed as
+events in the order a busy machine may deliver them, with the driver's stop in between."""
+
+import pytest
+
+from ddl_magic.events import FailureKind, ProcessExited, RankFailed, RankStarted
+from ddl_magic.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.launch.spark import SparkLauncher
+from ddl_magic.protocol import ABORTED_EXIT_CODE
+from ddl_magic.rank_record import RankStatus, new_records
+
+HOSTS = ["host-a", "host-b", "host-a", "host-b"]  # as Spark places 4 ranks on 2 hosts
+
+
+class ShownFailures:
+    """A display that keeps the failures it is shown, in order."""
+
+    def __init__(self):
+        self.failures = []
+
+    def handle(self, event):
+        if isinstance(event, RankFailed):
+            self.failures.append(event)
+
+
+def replay(tmp_path, events, abort_before: int, describe_lost=None):
+    """Feed `events` (the driver stops the run before the `abort_before`-th) and return the
+    error raised, the failures shown and the run's records."""
+    run = RunResult("run", len(HOSTS), "test", ranks=new_records(len(HOSTS), str(tmp_path)))
+    display = ShownFailures()
+    watcher = _RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
+    for rank, host in enumerate(HOSTS):
+        watcher.handle(RankStarted(rank, host, 100 + rank))
+    for index, event in enumerate(events):
+        if index == abort_before:
+            watcher._aborted_at_ns = index * 10 - 5
+        watcher.handle(event)
+    with pytest.raises(RankFailedError) as failure:
+        watcher._raise_failure()
+    return failure.value, display.failures, run.ranks
+
+
+def failed(rank, kind, at, reason="", exit_code=None, lost_rank=None):
+    return RankFailed(rank, HOSTS[rank], kind, "", reason or kind.value, exit_code, at,
+                      lost_rank)
+
+
+def test_an_executor_lost_after_a_peer_reported_it_is_the_cause_and_named_with_its_host(tmp_path):
+    error, shown, ranks = replay(tmp_path, [
+        failed(0, FailureKind.LOST_PEER, 0, lost_rank=3),  # the peer's report comes first
+        failed(3, FailureKind.VANISHED, 10, "connection lost"),  # after the driver stopped the run
+        failed(1, FailureKind.VANISHED, 20, "connection lost"),
+    ], abort_before=1, describe_lost=SparkLauncher.describe_lost)
+    assert (error.rank, error.host) == (3, "host-b")
+    assert error.reason.startswith("the Spark executor on host-b was lost, and ranks 1 and 3 with it")
+    assert [f.rank for f in shown] == [3, 1, 0]
+    assert [r.status for r in ranks] == ["failed", "failed", "running", "failed"]  # until stopped
+
+
+def test_a_rank_we_stopped_is_not_blamed_for_the_exception_that_stopped_it(tmp_path):
+    error, shown, ranks = replay(tmp_path, [
+        failed(1, FailureKind.RAISED, 0, "exception"),
+        failed(0, FailureKind.VANISHED, 10, "connection lost"),
+        ProcessExited(0, ABORTED_EXIT_CODE),
+    ], abort_before=1)
+    assert (error.rank, error.reason) == (1, "exception")
+    assert [f.rank for f in shown] == [1]
+    assert ranks[0].status is RankStatus.STOPPED and ranks[0].reason == ""
+
+
+def test_a_host_that_stopped_answering_is_named_with_every_rank_on_it(tmp_path):
+    error, _, ranks = replay(tmp_path, [
+        failed(3, FailureKind.UNREACHABLE, 0),
+        failed(0, FailureKind.LOST_PEER, 10, lost_rank=1),
+    ], abort_before=1)
+    assert (error.rank, error.host) == (3, "host-b")
+    assert "its host host-b stopped answering" in error.reason
+    assert "with ranks 1 and 3: the network to that host is down" in error.reason
+    assert [r.status for r in ranks] == ["failed", "failed", "running", "failed"]
+
+
+def test_a_killed_rank_outranks_the_connection_errors_of_its_peers(tmp_path):
+    error, shown, _ = replay(tmp_path, [
+        failed(0, FailureKind.RAISED, 0, "exception"),  # gloo: "Connection reset by peer"
+        failed(1, FailureKind.VANISHED, 10, "connection lost"),
+        ProcessExited(1, -9),
+    ], abort_before=1)
+    assert (error.rank, error.reason, error.exit_code) == (1, "killed by SIGKILL", -9)
+    assert [f.rank for f in shown] == [1, 0]
