@@ -23,8 +23,8 @@ import time
 
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
                      TimelineBatch, TimelineStarted)
-from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register, Start,
-                       TaskExited, TaskOutput, TimelineEvents, TimelineStart)
+from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Heartbeat, Output,
+                       Register, Start, TaskExited, TaskOutput, TimelineEvents, TimelineStart)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -50,6 +50,7 @@ class ControlServer:
         self._registrations: dict[int, tuple] = {}
         self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
+        self._heard_at: dict[int, float] = {}  # rank -> when it last said anything (monotonic)
         self._closed = False
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -150,13 +151,21 @@ class ControlServer:
         with self._lock:
             peers = [self._registrations[rank] for rank in range(self.np)]
             channels = dict(self._channels)
+            # From now on each rank's heartbeats say it is alive (before, it waited for the others).
+            self._heard_at = {rank: time.monotonic() for rank in channels}
         for rank, channel in channels.items():
             channel.send(Start(peers, self._task, self._settings, self._torch_master))
 
     def _relay(self, channel: Channel, rank: int) -> None:
         host = self._registrations[rank][1]
         while True:
-            match channel.recv():
+            message = channel.recv()
+            with self._lock:
+                if rank in self._heard_at:
+                    self._heard_at[rank] = time.monotonic()
+            match message:
+                case Heartbeat():
+                    pass
                 case Output(stream, lines):
                     for text, replace in lines:
                         self.events.put(RankOutput(rank, stream, text, replace))
@@ -194,6 +203,17 @@ class ControlServer:
         finally:
             with self._lock:
                 self._task_channels.discard(channel)
+
+    def silent_ranks(self, limit_s: float) -> list[int]:
+        """Running ranks that have said nothing, not even a heartbeat, for `limit_s`; each is
+        named once."""
+        now = time.monotonic()
+        with self._lock:
+            silent = [rank for rank, heard in self._heard_at.items()
+                      if now - heard > limit_s and rank not in self._finished and rank in self._channels]
+            for rank in silent:
+                del self._heard_at[rank]
+        return silent
 
     def _connection_ended(self, rank: int, timed_out: bool) -> None:
         with self._lock:

@@ -194,6 +194,7 @@ class _RunWatcher:
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
         self._aborted_at_ns: int | None = None
+        self._silence_limit_s = peer_timeout_s()  # each rank sends a heartbeat 4 times as often
         self._stopping = False
         self._last_refresh = 0.0
 
@@ -220,6 +221,13 @@ class _RunWatcher:
                 self.handle(events.get(timeout=REFRESH_INTERVAL_S))
             except queue.Empty:
                 pass
+            for rank in server.silent_ranks(self._silence_limit_s):
+                self.handle(RankFailed(
+                    rank, self.record.ranks[rank].host, FailureKind.SILENT, "",
+                    f"stopped answering: not a word from it for {self._silence_limit_s:g} s "
+                    "(its process is stopped, by SIGSTOP or a debugger, or stuck in native code "
+                    "holding Python's GIL; or the network to its host is down)",
+                    at_ns=time.monotonic_ns()))
             if self._failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
                 self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
@@ -381,25 +389,32 @@ class _RunWatcher:
 
     def _lost_hosts_named(self, ordered: list[RankFailed],
                           vanished_later: list[RankFailed]) -> list[RankFailed]:
-        """When the first failure is a rank that vanished or became unreachable, the ranks
-        of its host that did the same were lost with it: those that vanished too, also after
-        the run was stopped if no exit status came for them (what would report it went with
-        them), and if the host stopped answering, all of them (none can be reached, whether
-        its connection has timed out yet or not). Say so, naming the host."""
+        """When the first failure is a rank that vanished, the ranks of its host that
+        vanished too were lost with it (also those that did after the run was stopped, if
+        no exit status came for them: what would report it went with them). When it is a
+        host that stopped answering (a connection timed out, or every rank there fell
+        silent), every rank there is lost, whether its own connection has timed out yet or
+        not. Say so, naming the host."""
         first = ordered[0]
-        if first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE) or not first.host:
+        if not first.host or first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE,
+                                                FailureKind.SILENT):
             return ordered
-        lost = [f for f in ordered if f.kind is first.kind and f.host == first.host]
-        lost += [f for f in vanished_later if f.kind is first.kind and f.host == first.host]
-        ranks = sorted({f.rank for f in lost})
-        if first.kind is FailureKind.UNREACHABLE:
+        if first.kind is FailureKind.VANISHED:
+            lost = [f for f in [*ordered, *vanished_later]
+                    if f.kind is FailureKind.VANISHED and f.host == first.host]
+            ranks = sorted({f.rank for f in lost})
+            reason = self._describe_lost(first.host, ranks)
+        else:
+            lost = [f for f in ordered if f.host == first.host
+                    and f.kind in (FailureKind.UNREACHABLE, FailureKind.SILENT)]
             ranks = [r.rank for r in self.record.ranks
                      if r.host == first.host and r.status is not RankStatus.DONE]
+            if first.kind is FailureKind.SILENT and (
+                    len(ranks) == 1 or {f.rank for f in lost} != set(ranks)):
+                return ordered  # one process fell silent (its host's other ranks still talk)
             reason = (f"its host {first.host} stopped answering (no reply within "
                       f"{peer_timeout_s():g} s), with {describe_ranks(ranks)}: the network to "
                       "that host is down, or the host is")
-        else:
-            reason = self._describe_lost(first.host, ranks)
         for rank in ranks:
             self.record.ranks[rank].end(RankStatus.FAILED, reason)
         named = [dataclasses.replace(f, reason=reason) for f in lost]

@@ -5,7 +5,7 @@ ranks as they negotiate: one frozen dataclass each, sent whole over an authentic
 Who sends what:
 
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
-                         Finished, Failed
+                         Finished, Failed, Heartbeat
     driver ──► rank      ClockReading, Start, Abort
     task ──► driver      TaskOutput, TaskExited   (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye              (negotiation over TCP, `op_queue_tcp.py`)
@@ -101,6 +101,12 @@ class Failed:
     exit_code: int
     at_ns: int  # on the driver's clock
     lost_rank: int | None = None  # FailureKind.LOST_PEER: the rank it lost
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """The rank's process is alive and running Python: sent every quarter of the peer
+    timeout, from a thread of its own, whatever the rank's code is doing."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from .events import Event, RankFailed, RankFinished, RankStarted
 
 
 class RankStatus(str, enum.Enum):
-    """Where a rank is. A str, so it prints, compares and serialises as its value."""
+    """Where a rank is. A str, so it prints, compares, serialises and shows as its value."""
 
     STARTING = "starting"
     RUNNING = "running"
@@ -32,6 +32,9 @@ class RankStatus(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:  # in a list of records, reads as it always has: 'done'
+        return repr(self.value)
 
 
 @dataclass

@@ -31,9 +31,10 @@ import traceback
 import cloudpickle
 
 from .events import FailureKind
-from .messages import (ClockProbe, Failed, Finished, Output, Register, Start, TimelineEvents)
+from .messages import (ClockProbe, Failed, Finished, Heartbeat, Output, Register, Start,
+                       TimelineEvents)
 from .output_lines import LineSplitter
-from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
+from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError, peer_timeout_s
 from .rank_environment import rank_environment, reserve_port
 from .runtime import context
 from .runtime.errors import HorovodInternalError
@@ -101,6 +102,7 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)
     torch_backend.register()
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
+    threading.Thread(target=_beat, args=(channel,), name="ddl-heartbeat", daemon=True).start()
     if settings["timeline"]:
         start_timeline_shipping()
     if store_port is not None:
@@ -196,6 +198,16 @@ def _obey_driver(channel: Channel) -> None:
         pass  # the driver went away
     if not _leaving.is_set():
         os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
+
+
+def _beat(channel: Channel) -> None:
+    """Tell the driver, every quarter of the peer timeout, that this process still runs."""
+    interval = peer_timeout_s() / 4
+    while not _leaving.wait(interval):
+        try:
+            channel.send(Heartbeat())
+        except OSError:
+            return  # the driver is gone: _obey_driver ends the rank
 
 
 def start_timeline_shipping() -> None:

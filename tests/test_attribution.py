@@ -2,6 +2,8 @@
 statuses (never their text): the cases the multi-host and kill tests meet, replayed as
 events in the order a busy machine may deliver them, with the driver's stop in between."""
 
+import time
+
 import pytest
 
 from ddl_magic.events import FailureKind, ProcessExited, RankFailed, RankStarted
@@ -88,3 +90,50 @@ def test_a_killed_rank_outranks_the_connection_errors_of_its_peers(tmp_path):
     ], abort_before=1)
     assert (error.rank, error.reason, error.exit_code) == (1, "killed by SIGKILL", -9)
     assert [f.rank for f in shown] == [1, 0]
+
+
+def test_one_silent_rank_is_named_alone_and_a_silent_host_with_every_rank_on_it(tmp_path):
+    error, _, _ = replay(tmp_path, [failed(1, FailureKind.SILENT, 0, "stopped answering")],
+                         abort_before=1)
+    assert (error.rank, error.reason) == (1, "stopped answering")  # rank 3 on its host talks
+    (tmp_path / "2").mkdir()
+    error, _, _ = replay(tmp_path / "2", [
+        failed(1, FailureKind.SILENT, 0, "stopped answering"),
+        failed(0, FailureKind.LOST_PEER, 10, lost_rank=1),
+        failed(3, FailureKind.SILENT, 20, "stopped answering"),  # silent after the stop: still lost
+    ], abort_before=1)
+    assert (error.rank, error.host) == (1, "host-b")
+    assert "its host host-b stopped answering" in error.reason and "ranks 1 and 3" in error.reason
+
+
+def stop_rank_1():
+    import os
+    import signal
+
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1))
+    if hvd.rank() == 1:
+        print("STOPPING", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, its sockets answered by the kernel
+    hvd.allreduce(torch.ones(1))  # rank 0 waits here for rank 1
+
+
+def test_a_rank_that_stops_is_named_within_the_peer_timeout(monkeypatch):
+    """SIGSTOP leaves a process whose connections look healthy (the kernel answers for it):
+    only its missing heartbeats tell, within DDL_MAGIC_PEER_TIMEOUT, and it is then killed."""
+    from ranks import run_on_ranks
+
+    from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE
+
+    monkeypatch.setenv(PEER_TIMEOUT_VARIABLE, "3")
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        run_on_ranks(stop_rank_1, 2, timeout_s=60)
+    assert failure.value.rank == 1
+    assert failure.value.reason.startswith("stopped answering: not a word from it for 3 s")
+    assert time.monotonic() - started < 30  # the op timeout (30 s) would be later still
+    assert failure.value.run.ranks[0].status == "stopped"

@@ -336,26 +336,38 @@ def test_join_lets_ranks_with_less_data_contribute_zeros():
 
 
 def same_name_twice_at_once():
+    """Each rank in turn submits its own name, then submits it again 3 times (as Horovod's
+    test_horovod_allreduce_duplicate_name_error does) while the others wait at a barrier, so
+    that the first cannot have completed yet; then the others submit it too."""
     import torch
 
     import ddl_magic.torch as hvd
 
     hvd.init()
-    first = hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
-    errors = []
-    for _ in range(3):  # as Horovod's test_horovod_allreduce_duplicate_name_error does
-        try:
-            hvd.allreduce_async(torch.ones(2), name="twice", op=hvd.Sum)
-        except ValueError as exc:
-            errors.append(str(exc))
+    mine, errors = f"twice.{hvd.rank()}", []
+    for turn in range(hvd.size()):
+        if turn == hvd.rank():
+            first = hvd.allreduce_async(torch.ones(2), name=mine, op=hvd.Sum)
+            for _ in range(3):
+                try:
+                    hvd.allreduce_async(torch.ones(2), name=mine, op=hvd.Sum)
+                except ValueError as exc:
+                    errors.append(str(exc))
+        hvd.barrier()
+    others = [hvd.allreduce_async(torch.ones(2), name=f"twice.{other}", op=hvd.Sum)
+              for other in range(hvd.size()) if other != hvd.rank()]
     reduced = hvd.synchronize(first).tolist()
-    again = hvd.allreduce(torch.ones(1), name="twice", op=hvd.Sum)  # the name is free again
-    return reduced, errors, again.tolist()
+    for handle in others:
+        hvd.synchronize(handle)
+    again = [hvd.allreduce(torch.ones(1), name=f"twice.{r}", op=hvd.Sum).tolist()  # free again
+             for r in range(hvd.size())]
+    return reduced, errors, again
 
 
 def test_one_name_in_flight_twice_is_refused_at_submit_and_the_first_completes():
-    for first, errors, again in run_on_ranks(same_name_twice_at_once, 2, timeout_s=60):
+    for rank, (first, errors, again) in enumerate(run_on_ranks(same_name_twice_at_once, 2,
+                                                               timeout_s=60)):
         assert first == [2.0, 2.0]
         assert len(errors) == 3
-        assert "a collective named 'twice' is already in flight on this rank" in errors[0]
-        assert again == [2.0]
+        assert f"a collective named 'twice.{rank}' is already in flight on this rank" in errors[0]
+        assert again == [[2.0], [2.0]]
