@@ -19,9 +19,10 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 SELECTION = [
-    "tests/test_ddlrun.py", "tests/test_peer_loss.py", "tests/test_shared_memory.py",
-    "tests/test_timeline_in_runs.py", "tests/test_torch_distributed.py",
-    "-k", "kill or killed or lost or segfault or last_words or ctrl_c or raising or fails",
+    "tests/test_attribution.py", "tests/test_ddlrun.py", "tests/test_peer_loss.py",
+    "tests/test_shared_memory.py", "tests/test_timeline_in_runs.py",
+    "tests/test_torch_distributed.py",
+    "-k", "kill or killed or lost or segfault or last_words or ctrl_c or raising or fails or stops",
 ]
 
 
