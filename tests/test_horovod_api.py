@@ -10,7 +10,7 @@ homogeneous). Every rank runs all the checks below and reports which failed.
 import pytest
 import torch
 
-from ranks import run_on_ranks
+from ranks import failures_of, reports_per_setup, run_on_ranks
 
 
 def equal_lists(actual, expected) -> bool:
@@ -348,25 +348,13 @@ SETUPS = [(1, None), (2, None), (3, "a,b,a")]
 
 @pytest.fixture(scope="module")
 def reports():
-    cache = {}
-
-    def for_setup(np, hosts):
-        if (np, hosts) not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                if hosts:  # read by each rank as it registers, from the environment it inherits
-                    patch.setenv("DDL_MAGIC_TEST_HOSTS", hosts)
-                cache[np, hosts] = run_on_ranks(run_all_checks, np, timeout_s=60)
-        return cache[np, hosts]
-
-    return for_setup
+    return reports_per_setup(run_all_checks, timeout_s=60)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 @pytest.mark.parametrize("np, hosts", SETUPS)
 def test_horovod_api(reports, np, hosts, check):
-    failures = {rank: report[check] for rank, report in enumerate(reports(np, hosts))
-                if report[check]}
-    assert failures == {}
+    assert failures_of(reports(np, hosts), check) == {}
 
 
 def test_build_checks_answer_without_init():

@@ -8,10 +8,12 @@ test_horovod_api.py; one run per setup serves every check.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from ranks import run_on_ranks
+from ranks import failures_of, reports_per_setup
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
           torch.uint8]
@@ -22,70 +24,74 @@ def values(rank: int, dtype: torch.dtype, rows: int = 3) -> torch.Tensor:
     return (torch.arange(rows * 2).reshape(rows, 2) % 5 + rank).to(dtype)
 
 
+@contextlib.contextmanager
 def evens_and_odds(hvd):
+    """The set of even ranks, the set of odd ranks and this rank's; removed again after."""
     size = hvd.size()
     evens = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
     odds = hvd.add_process_set([r for r in range(size) if r % 2 == 1])
-    return evens, odds, (evens if hvd.rank() % 2 == 0 else odds)
+    try:
+        yield evens, odds, (evens if hvd.rank() % 2 == 0 else odds)
+    finally:
+        hvd.remove_process_set(evens)
+        hvd.remove_process_set(odds)
 
 
 def check_every_collective_over_evens_and_odds(hvd):
     failures = []
     if hvd.size() < 2:  # the only set is the global one
         return failures
-    evens, odds, mine = evens_and_odds(hvd)
-    rank, members = hvd.rank(), mine.ranks
-    if (mine.size(), mine.rank(), mine.included()) != (len(members), members.index(rank), True):
-        failures.append(f"{mine}: size {mine.size()}, rank {mine.rank()}, included {mine.included()}")
-    other = odds if mine is evens else evens
-    if other.included() or other.rank() is not None:
-        failures.append(f"{other} says it includes rank {rank}")
-    for dtype in DTYPES:
-        summed = hvd.allreduce(values(rank, dtype), op=hvd.Sum, process_set=mine)
-        expected = sum(values(r, torch.float64) for r in members).to(dtype)
-        if not torch.equal(summed, expected):
-            failures.append(f"allreduce {dtype}: {summed.tolist()} != {expected.tolist()}")
-        gathered = hvd.allgather(values(rank, dtype, rows=rank % 3 + 1), process_set=mine)
-        if not torch.equal(gathered, torch.cat([values(r, dtype, rows=r % 3 + 1) for r in members])):
-            failures.append(f"allgather {dtype}: {gathered.tolist()}")
-        root = members[-1]
-        sent = hvd.broadcast(values(rank, dtype), root_rank=root, process_set=mine)
-        if not torch.equal(sent, values(root, dtype)):
-            failures.append(f"broadcast {dtype} from rank {root}: {sent.tolist()}")
-    in_place = torch.full((4,), float(rank))
-    hvd.allreduce_(in_place, op=hvd.Max, process_set=mine)
-    if in_place.tolist() != [float(max(members))] * 4:
-        failures.append(f"allreduce_ Max: {in_place.tolist()}")
-    averaged = hvd.synchronize(hvd.allreduce_async(torch.tensor([float(rank)]), process_set=mine))
-    if averaged.item() != sum(members) / len(members):
-        failures.append(f"allreduce_async Average: {averaged.item()}")
-    grouped = hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3)], op=hvd.Sum,
-                                    process_set=mine)
-    if [g.tolist() for g in grouped] != [[float(sum(members))] * 2, [float(len(members))] * 3]:
-        failures.append(f"grouped_allreduce: {[g.tolist() for g in grouped]}")
-    rows = 2 * len(members) + 1
-    scattered = hvd.reducescatter(torch.arange(rows * 2.0).reshape(rows, 2) + rank, op=hvd.Sum,
-                                  process_set=mine)
-    total = sum(torch.arange(rows * 2.0).reshape(rows, 2) + r for r in members)
-    position = members.index(rank)
-    start = position * 2 + min(position, 1)
-    if not torch.equal(scattered, total[start:start + 2 + (position < 1)]):
-        failures.append(f"reducescatter: {scattered.tolist()}")
-    splits = [members.index(rank) + 1] * len(members)  # every member sends its position + 1 rows
-    received, counts = hvd.alltoall(torch.full((sum(splits), 1), rank), splits, process_set=mine)
-    # rank r sends each member (its own position + 1) rows of r
-    expected = torch.cat([torch.full((members.index(r) + 1, 1), r) for r in members])
-    if not torch.equal(received, expected) or counts.tolist() != [members.index(r) + 1 for r in members]:
-        failures.append(f"alltoall: {received.flatten().tolist()} {counts.tolist()}")
-    obj = hvd.broadcast_object({"from": rank} if rank == members[0] else None,
-                               root_rank=members[0], process_set=mine)
-    if obj != {"from": members[0]}:
-        failures.append(f"broadcast_object: {obj}")
-    if hvd.allgather_object(rank, process_set=mine) != members:
-        failures.append("allgather_object")
-    hvd.barrier(process_set=mine)
-    hvd.remove_process_set(evens)
-    hvd.remove_process_set(odds)
+    with evens_and_odds(hvd) as (evens, odds, mine):
+        rank, members = hvd.rank(), mine.ranks
+        if (mine.size(), mine.rank(), mine.included()) != (len(members), members.index(rank), True):
+            failures.append(f"{mine}: size {mine.size()}, rank {mine.rank()}, included {mine.included()}")
+        other = odds if mine is evens else evens
+        if other.included() or other.rank() is not None:
+            failures.append(f"{other} says it includes rank {rank}")
+        for dtype in DTYPES:
+            summed = hvd.allreduce(values(rank, dtype), op=hvd.Sum, process_set=mine)
+            expected = sum(values(r, torch.float64) for r in members).to(dtype)
+            if not torch.equal(summed, expected):
+                failures.append(f"allreduce {dtype}: {summed.tolist()} != {expected.tolist()}")
+            gathered = hvd.allgather(values(rank, dtype, rows=rank % 3 + 1), process_set=mine)
+            if not torch.equal(gathered, torch.cat([values(r, dtype, rows=r % 3 + 1) for r in members])):
+                failures.append(f"allgather {dtype}: {gathered.tolist()}")
+            root = members[-1]
+            sent = hvd.broadcast(values(rank, dtype), root_rank=root, process_set=mine)
+            if not torch.equal(sent, values(root, dtype)):
+                failures.append(f"broadcast {dtype} from rank {root}: {sent.tolist()}")
+        in_place = torch.full((4,), float(rank))
+        hvd.allreduce_(in_place, op=hvd.Max, process_set=mine)
+        if in_place.tolist() != [float(max(members))] * 4:
+            failures.append(f"allreduce_ Max: {in_place.tolist()}")
+        averaged = hvd.synchronize(hvd.allreduce_async(torch.tensor([float(rank)]), process_set=mine))
+        if averaged.item() != sum(members) / len(members):
+            failures.append(f"allreduce_async Average: {averaged.item()}")
+        grouped = hvd.grouped_allreduce([torch.ones(2) * rank, torch.ones(3)], op=hvd.Sum,
+                                        process_set=mine)
+        if [g.tolist() for g in grouped] != [[float(sum(members))] * 2, [float(len(members))] * 3]:
+            failures.append(f"grouped_allreduce: {[g.tolist() for g in grouped]}")
+        rows = 2 * len(members) + 1
+        scattered = hvd.reducescatter(torch.arange(rows * 2.0).reshape(rows, 2) + rank, op=hvd.Sum,
+                                      process_set=mine)
+        total = sum(torch.arange(rows * 2.0).reshape(rows, 2) + r for r in members)
+        position = members.index(rank)
+        start = position * 2 + min(position, 1)
+        if not torch.equal(scattered, total[start:start + 2 + (position < 1)]):
+            failures.append(f"reducescatter: {scattered.tolist()}")
+        splits = [members.index(rank) + 1] * len(members)  # every member sends its position + 1 rows
+        received, counts = hvd.alltoall(torch.full((sum(splits), 1), rank), splits, process_set=mine)
+        # rank r sends each member (its own position + 1) rows of r
+        expected = torch.cat([torch.full((members.index(r) + 1, 1), r) for r in members])
+        if not torch.equal(received, expected) or counts.tolist() != [members.index(r) + 1 for r in members]:
+            failures.append(f"alltoall: {received.flatten().tolist()} {counts.tolist()}")
+        obj = hvd.broadcast_object({"from": rank} if rank == members[0] else None,
+                                   root_rank=members[0], process_set=mine)
+        if obj != {"from": members[0]}:
+            failures.append(f"broadcast_object: {obj}")
+        if hvd.allgather_object(rank, process_set=mine) != members:
+            failures.append("allgather_object")
+        hvd.barrier(process_set=mine)
     return failures
 
 
@@ -93,52 +99,50 @@ def check_async_grouped_and_in_place_forms_over_a_set(hvd):
     failures = []
     if hvd.size() < 2:
         return failures
-    evens, odds, mine = evens_and_odds(hvd)
-    rank, members = hvd.rank(), mine.ranks
-    n, position = len(members), members.index(rank)
+    with evens_and_odds(hvd) as (evens, odds, mine):
+        rank, members = hvd.rank(), mine.ranks
+        n, position = len(members), members.index(rank)
 
-    def expect(what, got, wanted):
-        if not torch.equal(got, wanted):
-            failures.append(f"{what}: {got.tolist()} != {wanted.tolist()}")
+        def expect(what, got, wanted):
+            if not torch.equal(got, wanted):
+                failures.append(f"{what}: {got.tolist()} != {wanted.tolist()}")
 
-    handles = {
-        "allgather_async": hvd.allgather_async(torch.full((rank + 1,), rank), process_set=mine),
-        "grouped_allgather_async": hvd.grouped_allgather_async(
-            [torch.tensor([rank]), torch.full((1, 2), rank)], process_set=mine),
-        "reducescatter_async": hvd.reducescatter_async(torch.ones(n, 2) * rank, op=hvd.Sum,
-                                                       process_set=mine),
-        "grouped_allreduce_async": hvd.grouped_allreduce_async(
-            [torch.tensor([1.0]), torch.tensor([rank])], op=hvd.Sum, process_set=mine),
-        "alltoall_async": hvd.alltoall_async(torch.arange(n) + 10 * rank, process_set=mine),
-    }
-    in_place = torch.tensor([float(rank)])
-    handles["broadcast_async_"] = hvd.broadcast_async_(in_place, root_rank=members[-1],
-                                                       process_set=mine)
-    results = {name: hvd.synchronize(handle) for name, handle in handles.items()}
-    expect("allgather_async", results["allgather_async"],
-           torch.cat([torch.full((r + 1,), r) for r in members]))
-    gathered = results["grouped_allgather_async"]
-    expect("grouped_allgather_async 0", gathered[0], torch.tensor(members))
-    expect("grouped_allgather_async 1", gathered[1], torch.cat([torch.full((1, 2), r) for r in members]))
-    expect("reducescatter_async", results["reducescatter_async"], torch.ones(1, 2) * sum(members))
-    summed = results["grouped_allreduce_async"]
-    expect("grouped_allreduce_async", torch.cat(summed), torch.tensor([float(n), sum(members)]))
-    received, _ = results["alltoall_async"]
-    expect("alltoall_async", received, torch.tensor([10 * r + position for r in members]))
-    expect("broadcast_async_", in_place, torch.tensor([float(members[-1])]))
-    tensors = [torch.tensor([1.0]), torch.tensor([2.0 * rank])]
-    hvd.grouped_allreduce_(tensors, op=hvd.Sum, process_set=mine)
-    expect("grouped_allreduce_", torch.cat(tensors), torch.tensor([float(n), 2.0 * sum(members)]))
-    scattered = hvd.grouped_reducescatter([torch.ones(n, 1) * rank, torch.ones(n) * 2],
-                                          op=hvd.Sum, process_set=mine)
-    expect("grouped_reducescatter", torch.cat([scattered[0].flatten(), scattered[1]]),
-           torch.tensor([float(sum(members)), 2.0 * n]))
-    sparse = torch.sparse_coo_tensor([[rank % 3]], [1.0], (3,))
-    reduced = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum, process_set=mine)()
-    expect("sparse_allreduce_async", reduced.to_dense(),
-           sum(torch.sparse_coo_tensor([[r % 3]], [1.0], (3,)).to_dense() for r in members))
-    hvd.remove_process_set(evens)
-    hvd.remove_process_set(odds)
+        handles = {
+            "allgather_async": hvd.allgather_async(torch.full((rank + 1,), rank), process_set=mine),
+            "grouped_allgather_async": hvd.grouped_allgather_async(
+                [torch.tensor([rank]), torch.full((1, 2), rank)], process_set=mine),
+            "reducescatter_async": hvd.reducescatter_async(torch.ones(n, 2) * rank, op=hvd.Sum,
+                                                           process_set=mine),
+            "grouped_allreduce_async": hvd.grouped_allreduce_async(
+                [torch.tensor([1.0]), torch.tensor([rank])], op=hvd.Sum, process_set=mine),
+            "alltoall_async": hvd.alltoall_async(torch.arange(n) + 10 * rank, process_set=mine),
+        }
+        in_place = torch.tensor([float(rank)])
+        handles["broadcast_async_"] = hvd.broadcast_async_(in_place, root_rank=members[-1],
+                                                           process_set=mine)
+        results = {name: hvd.synchronize(handle) for name, handle in handles.items()}
+        expect("allgather_async", results["allgather_async"],
+               torch.cat([torch.full((r + 1,), r) for r in members]))
+        gathered = results["grouped_allgather_async"]
+        expect("grouped_allgather_async 0", gathered[0], torch.tensor(members))
+        expect("grouped_allgather_async 1", gathered[1], torch.cat([torch.full((1, 2), r) for r in members]))
+        expect("reducescatter_async", results["reducescatter_async"], torch.ones(1, 2) * sum(members))
+        summed = results["grouped_allreduce_async"]
+        expect("grouped_allreduce_async", torch.cat(summed), torch.tensor([float(n), sum(members)]))
+        received, _ = results["alltoall_async"]
+        expect("alltoall_async", received, torch.tensor([10 * r + position for r in members]))
+        expect("broadcast_async_", in_place, torch.tensor([float(members[-1])]))
+        tensors = [torch.tensor([1.0]), torch.tensor([2.0 * rank])]
+        hvd.grouped_allreduce_(tensors, op=hvd.Sum, process_set=mine)
+        expect("grouped_allreduce_", torch.cat(tensors), torch.tensor([float(n), 2.0 * sum(members)]))
+        scattered = hvd.grouped_reducescatter([torch.ones(n, 1) * rank, torch.ones(n) * 2],
+                                              op=hvd.Sum, process_set=mine)
+        expect("grouped_reducescatter", torch.cat([scattered[0].flatten(), scattered[1]]),
+               torch.tensor([float(sum(members)), 2.0 * n]))
+        sparse = torch.sparse_coo_tensor([[rank % 3]], [1.0], (3,))
+        reduced = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Sum, process_set=mine)()
+        expect("sparse_allreduce_async", reduced.to_dense(),
+               sum(torch.sparse_coo_tensor([[r % 3]], [1.0], (3,)).to_dense() for r in members))
     return failures
 
 
@@ -146,26 +150,24 @@ def check_gradients_flow_within_the_set(hvd):
     failures = []
     if hvd.size() < 2:
         return failures
-    evens, odds, mine = evens_and_odds(hvd)
-    rank, members = hvd.rank(), mine.ranks
-    x = torch.ones(3, requires_grad=True)
-    hvd.allreduce(x * (rank + 1), op=hvd.Sum, process_set=mine).sum().backward()
-    if x.grad.tolist() != [float(len(members) * (rank + 1))] * 3:
-        failures.append(f"allreduce gradient {x.grad.tolist()}")
-    x = torch.ones(2, requires_grad=True)
-    gathered = hvd.allgather(x * (rank + 1), process_set=mine)
-    (gathered * torch.arange(1.0, 2 * len(members) + 1)).sum().backward()
-    position = members.index(rank)
-    # Horovod's allgather gradient: the set's average of each rank's slice of the incoming gradient
-    expected = [(rank + 1) * (2 * position + 1.0), (rank + 1) * (2 * position + 2.0)]
-    if x.grad.tolist() != expected:
-        failures.append(f"allgather gradient {x.grad.tolist()} != {expected}")
-    x = torch.ones(2, requires_grad=True)
-    hvd.broadcast(x * 2, root_rank=members[0], process_set=mine).sum().backward()
-    if x.grad.tolist() != ([2.0, 2.0] if rank == members[0] else [0.0, 0.0]):
-        failures.append(f"broadcast gradient {x.grad.tolist()}")
-    hvd.remove_process_set(evens)
-    hvd.remove_process_set(odds)
+    with evens_and_odds(hvd) as (evens, odds, mine):
+        rank, members = hvd.rank(), mine.ranks
+        x = torch.ones(3, requires_grad=True)
+        hvd.allreduce(x * (rank + 1), op=hvd.Sum, process_set=mine).sum().backward()
+        if x.grad.tolist() != [float(len(members) * (rank + 1))] * 3:
+            failures.append(f"allreduce gradient {x.grad.tolist()}")
+        x = torch.ones(2, requires_grad=True)
+        gathered = hvd.allgather(x * (rank + 1), process_set=mine)
+        (gathered * torch.arange(1.0, 2 * len(members) + 1)).sum().backward()
+        position = members.index(rank)
+        # Horovod's allgather gradient: the set's average of each rank's slice of the incoming gradient
+        expected = [(rank + 1) * (2 * position + 1.0), (rank + 1) * (2 * position + 2.0)]
+        if x.grad.tolist() != expected:
+            failures.append(f"allgather gradient {x.grad.tolist()} != {expected}")
+        x = torch.ones(2, requires_grad=True)
+        hvd.broadcast(x * 2, root_rank=members[0], process_set=mine).sum().backward()
+        if x.grad.tolist() != ([2.0, 2.0] if rank == members[0] else [0.0, 0.0]):
+            failures.append(f"broadcast gradient {x.grad.tolist()}")
     return failures
 
 
@@ -344,22 +346,10 @@ SETUPS = [(1, None), (2, None), (3, None), (4, "a,b,a,b")]
 
 @pytest.fixture(scope="module")
 def reports():
-    cache = {}
-
-    def for_setup(np, hosts):
-        if (np, hosts) not in cache:
-            with pytest.MonkeyPatch.context() as patch:
-                if hosts:
-                    patch.setenv("DDL_MAGIC_TEST_HOSTS", hosts)
-                cache[np, hosts] = run_on_ranks(run_all_checks, np, timeout_s=90)
-        return cache[np, hosts]
-
-    return for_setup
+    return reports_per_setup(run_all_checks, timeout_s=90)
 
 
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 @pytest.mark.parametrize("np, hosts", SETUPS)
 def test_process_sets(reports, np, hosts, check):
-    failures = {rank: report[check] for rank, report in enumerate(reports(np, hosts))
-                if report[check]}
-    assert failures == {}
+    assert failures_of(reports(np, hosts), check) == {}
