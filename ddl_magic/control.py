@@ -21,10 +21,11 @@ import socket
 import threading
 import time
 
-from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput, RankStarted,
-                     TimelineBatch, TimelineStarted)
+from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
+                     RanksPlaced, RankStarted, TimelineBatch, TimelineStarted)
 from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Heartbeat, Output,
-                       Register, Start, TaskExited, TaskOutput, TimelineEvents, TimelineStart)
+                       Register, Start, TaskExited, TaskOutput, TaskStarted, TimelineEvents,
+                       TimelineStart)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -184,7 +185,8 @@ class ControlServer:
                     raise ValueError(f"unexpected message from rank {rank}: {type(other).__name__}")
 
     def _relay_task(self, channel: Channel) -> None:
-        """What a task relays for its rank: output lines, then the process's end."""
+        """What a task relays for its rank: where the ranks run, output lines, then the
+        process's end."""
         with self._lock:
             if self._closed:
                 return
@@ -192,6 +194,10 @@ class ControlServer:
         try:
             while True:
                 match channel.recv():
+                    case TaskStarted(rank, executors) if 0 <= rank < self.np and isinstance(
+                            executors, list) and len(executors) == self.np and all(
+                            isinstance(executor, str) for executor in executors):
+                        self.events.put(RanksPlaced(rank, executors))
                     case TaskOutput(rank, stream, lines) if 0 <= rank < self.np:
                         for text, replace in lines:
                             self.events.put(RankOutput(rank, stream, text, replace))
@@ -239,6 +245,11 @@ class TaskRelay:
         self._channel = Channel.connect(control_address, secret, "task", HANDSHAKE_TIMEOUT_S)
         self._channel.sock.settimeout(None)
         self._lock = threading.Lock()  # stdout and stderr are forwarded from two threads
+
+    def started(self, executors: list[str]) -> None:
+        """The rank's process is starting; `executors`: where each rank of the stage runs."""
+        with self._lock:
+            self._channel.send(TaskStarted(self.rank, executors))
 
     def output(self, stream: str, lines: list) -> None:
         with self._lock:

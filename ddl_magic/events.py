@@ -116,8 +116,26 @@ class TimelineStarted:
     path: str
 
 
+@dataclass(frozen=True)
+class RanksPlaced:
+    """Where the ranks run, as a task that started its rank (`reporter`) learned it from Spark:
+    the address, ``host:port``, of the executor that runs each rank."""
+
+    reporter: int
+    executors: list[str]
+
+
+@dataclass(frozen=True)
+class HostUnanswered:
+    """Ranks were placed on `host`, and it answered no connection within the peer timeout."""
+
+    host: str
+    ranks: list[int]
+    at_ns: int  # when it was given up on, on the driver's monotonic clock
+
+
 Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited | TimelineBatch
-         | TimelineStarted)
+         | TimelineStarted | RanksPlaced | HostUnanswered)
 
 
 def describe_ranks(ranks: list[int]) -> str:

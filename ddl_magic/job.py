@@ -21,8 +21,10 @@ from typing import Any
 import cloudpickle
 
 from .control import ControlServer
-from .events import (ROOT_CAUSE_ORDER, FailureKind, ProcessExited, RankFailed, RankFinished,
-                     RankOutput, RankStarted, TimelineBatch, TimelineStarted, describe_ranks)
+from .events import (ROOT_CAUSE_ORDER, FailureKind, HostUnanswered, ProcessExited, RankFailed,
+                     RankFinished, RankOutput, RanksPlaced, RankStarted, TimelineBatch,
+                     TimelineStarted, describe_ranks)
+from .host_probe import HostProbes
 from .launch.local import describe_exit
 from .rank_record import RankRecord, RankStatus, new_records
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
@@ -149,6 +151,7 @@ class Job:
         display = make_display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
                                title=options.title)
         watcher = _RunWatcher(record, display, timeline_path,
+                              HostProbes(events, timeout_s=peer_timeout_s()),
                               exits_follow_output=getattr(self.launcher, "forwards_output", False),
                               describe_lost=getattr(self.launcher, "describe_lost", None))
         outcome = "failed"
@@ -181,8 +184,12 @@ class _RunWatcher:
     """Applies events to the run record, the display, the log files and the timeline."""
 
     def __init__(self, record: RunResult, display, timeline_path: str | None,
-                 exits_follow_output: bool = False, describe_lost=None):
+                 host_probes: HostProbes | None = None, exits_follow_output: bool = False,
+                 describe_lost=None):
         self.record = record
+        self._host_probes = host_probes
+        self._tasks_started: set[int] = set()  # ranks whose task said it is starting them
+        self._placement: list[str] = []  # the executor of each rank, where Spark said
         # (host, ranks) -> the reason to show when those ranks of one host vanished together
         self._describe_lost = describe_lost or (lambda host, ranks: "connection lost")
         self._exits_follow_output = exits_follow_output
@@ -216,7 +223,8 @@ class _RunWatcher:
                 self.record.status = "failed"
                 raise RuntimeError(
                     f"ranks {missing} did not connect within {START_TIMEOUT_S:.0f} s "
-                    f"({self.record.where}); see their logs in {self.record.log_dir}")
+                    f"({self.record.where}{self._placed_on(missing)}); see their logs in "
+                    f"{self.record.log_dir}")
             try:
                 self.handle(events.get(timeout=REFRESH_INTERVAL_S))
             except queue.Empty:
@@ -272,6 +280,15 @@ class _RunWatcher:
         if isinstance(event, TimelineStarted):
             self._start_trace(event.path)
             return
+        if isinstance(event, RanksPlaced):
+            self._tasks_started.add(event.reporter)
+            self._placement = self._placement or event.executors
+            if self._host_probes is not None:
+                self._host_probes.start(event.executors)
+            return
+        if isinstance(event, HostUnanswered):
+            self._fail_if_nothing_came(event)
+            return
         rank = record.ranks[event.rank]
         if isinstance(event, RankStarted):
             rank.apply(event)
@@ -289,6 +306,23 @@ class _RunWatcher:
             self._record_failure(rank, event)
             return  # shown by _raise_failure, once the failures of this moment are all in
         self.display.handle(event)
+
+    def _placed_on(self, ranks: list[int]) -> str:
+        """', placed on executors at 10.0.0.3:4242', where known."""
+        if not self._placement:
+            return ""
+        return ", placed on executors at " + ", ".join(sorted({self._placement[r] for r in ranks}))
+
+    def _fail_if_nothing_came(self, unanswered: HostUnanswered) -> None:
+        """A host that ranks were placed on does not answer: unless something came from one
+        of its ranks or their tasks, they cannot start, and the run fails naming the host."""
+        ranks = self.record.ranks
+        if any(rank in self._tasks_started or ranks[rank].status is not RankStatus.STARTING
+               for rank in unanswered.ranks):
+            return  # it was there: its ranks are slow to start, or behind a firewall
+        for rank in unanswered.ranks:
+            self.handle(RankFailed(rank, unanswered.host, FailureKind.UNREACHABLE, "",
+                                   f"{unanswered.host} does not answer", at_ns=unanswered.at_ns))
 
     def _start_trace(self, path: str) -> None:
         """The first rank to call hvd.start_timeline(path) decides where the run's trace goes."""
@@ -419,7 +453,6 @@ class _RunWatcher:
             self.record.ranks[rank].end(RankStatus.FAILED, reason)
         named = [dataclasses.replace(f, reason=reason) for f in lost]
         return named + [f for f in ordered if f not in lost]
-
 
     def _collect_results(self) -> None:
         values = [cloudpickle.loads(b) if b is not None else None

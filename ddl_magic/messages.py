@@ -7,7 +7,7 @@ Who sends what:
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
                          Finished, Failed, Heartbeat
     driver ──► rank      ClockReading, Start, Abort
-    task ──► driver      TaskOutput, TaskExited   (what started the rank, e.g. a Spark task)
+    task ──► driver      TaskStarted, TaskOutput, TaskExited   (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye              (negotiation over TCP, `op_queue_tcp.py`)
     rank 0 ──► ranks     CycleToRun, Abort
 
@@ -107,6 +107,15 @@ class Failed:
 class Heartbeat:
     """The rank's process is alive and running Python: sent every quarter of the peer
     timeout, from a thread of its own, whatever the rank's code is doing."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStarted:
+    """A task is starting its rank's process. `executors` is where the stage placed every
+    rank: the address (``host:port``) of the executor that runs it, in rank order."""
+
+    rank: int
+    executors: list[str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ import traceback
 import cloudpickle
 
 from .events import FailureKind
-from .messages import (ClockProbe, Failed, Finished, Heartbeat, Output, Register, Start,
+from .messages import (Abort, ClockProbe, Failed, Finished, Heartbeat, Output, Register, Start,
                        TimelineEvents)
 from .output_lines import LineSplitter
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError, peer_timeout_s
@@ -95,8 +95,10 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     match channel.recv():
         case Start(peers, task_bytes, settings, torch_master):
             peers = [Peer(*p) for p in peers]
-        case _:  # Abort: this rank is not expected
-            return 1
+        case Abort():  # the run was stopped before it started, or this rank is not expected
+            return ABORTED_EXIT_CODE
+        case other:
+            raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
     os.environ.update(settings["env"])
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)

@@ -1,7 +1,8 @@
 """ddl_magic on a real Spark standalone cluster of two hosts (`two_host_cluster.py`: each
 worker in network and UTS namespaces of its own), 2 ranks per host: placement, collectives,
 training and the timeline across hosts, then the failures only several hosts have: a rank
-killed on one host, the link to a host cut, a host's whole worker killed.
+killed on one host, the link to a host cut (mid-training, and before a run starts), a
+host's whole worker killed.
 
 Needs root for the namespaces; skips with the reason elsewhere. The cluster starts once for
 the module (~10 s, and ~12 s for the session).
@@ -235,6 +236,34 @@ def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, clust
     assert error.rank in cut_off and error.host == name
     assert (f"its host {name} stopped answering (no reply within {PEER_TIMEOUT_S} s), with "
             f"ranks {cut_off[0]} and {cut_off[1]}") in error.reason
+    assert wait_until(no_spark_job_active, timeout_s=30)
+    assert [rank["sum"] for rank in run_on_cluster(train, steps=2).results] == [6.0] * NP
+
+
+def test_a_run_started_while_a_host_is_cut_off_fails_naming_that_host(spark, cluster,
+                                                                      monkeypatch):
+    """Spark still places ranks on a host it cannot reach (its executor's heartbeat has not
+    timed out yet): nothing ever comes from them, and the driver names the host that does
+    not answer instead of waiting for the start timeout."""
+    from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE
+
+    monkeypatch.setenv(PEER_TIMEOUT_VARIABLE, str(PEER_TIMEOUT_S))  # the driver's probes
+    host = cluster.hosts[1]
+    cluster.cut_link(host)
+    started_at = time.monotonic()
+    try:
+        with pytest.raises(RankFailedError) as failed:
+            run_on_cluster(train, env={PEER_TIMEOUT_VARIABLE: str(PEER_TIMEOUT_S)}, steps=2)
+        failed_at = time.monotonic()
+    finally:
+        cluster.restore_link(host)
+    error = failed.value
+    assert failed_at - started_at < PEER_TIMEOUT_S + 10, "noticed too late"
+    cut_off = sorted(r.rank for r in error.run.ranks if r.host == host.address)
+    assert len(cut_off) == 2 and error.rank in cut_off and error.host == host.address
+    assert (f"its host {host.address} stopped answering (no reply within {PEER_TIMEOUT_S} s), "
+            f"with ranks {cut_off[0]} and {cut_off[1]}") in error.reason
+    assert all(r.status == "stopped" for r in error.run.ranks if r.rank not in cut_off)
     assert wait_until(no_spark_job_active, timeout_s=30)
     assert [rank["sum"] for rank in run_on_cluster(train, steps=2).results] == [6.0] * NP
 

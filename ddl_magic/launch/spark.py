@@ -301,8 +301,9 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
         from ddl_magic.control import TaskRelay
 
         relay = TaskRelay(control_address, secret, rank)
+        relay.started([info.address for info in task.getTaskInfos()])  # the driver probes them
     except (ImportError, OSError):
-        pass  # the rank forwards its own output; this task reports in the row it returns
+        relay = None  # the rank forwards its own output; this task reports in the row it returns
 
     def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
         read_end, write_end = os.pipe()
