@@ -1,15 +1,19 @@
 """Every message that crosses a connection between the driver and the ranks, and between
 ranks as they negotiate: one frozen dataclass each, sent whole over an authenticated
-`protocol.Channel`.
+`protocol.Channel`; and those between the driver and its local rank factory, over the
+factory's own pipes.
 
 Who sends what:
 
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
                          Finished, Failed, Heartbeat
     driver ──► rank      ClockReading, Start, Abort
-    task ──► driver      TaskStarted, TaskOutput, TaskExited   (what started the rank, e.g. a Spark task)
-    rank ──► rank 0      Submit, Bye              (negotiation over TCP, `op_queue_tcp.py`)
+    task ──► driver      TaskStarted, TaskOutput, TaskExited
+                         (what started the rank, e.g. a Spark task)
+    rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
     rank 0 ──► ranks     CycleToRun, Abort
+    driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
+    factory ──► driver   RankForked, RankWrote, RankReaped     `launch/rank_factory.py`)
 
 A receiver matches on the class (`match message: case Output(stream, lines): ...`); anything
 else is a malformed message, which ends that connection without disturbing the run.
@@ -159,3 +163,43 @@ class CycleToRun:
     """What every rank runs next, in this order."""
 
     cycle: object  # negotiation.Cycle
+
+
+# ---- the local rank factory (a pipe only the driver holds, `launch/rank_factory.py`) ----------
+
+
+@dataclass(frozen=True, slots=True)
+class ForkRank:
+    """Fork a rank and run it as if freshly started, with the kernel's environment, working
+    directory and ``sys.path``; `id` pairs the request with its `RankForked`."""
+
+    rank: int
+    control: tuple[str, int]  # the driver's control server
+    secret: bytes
+    env: dict[str, str]
+    cwd: str
+    sys_path: list[str]
+    id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankForked:
+    id: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankWrote:
+    """Lines the rank `pid` wrote, read by the factory from the rank's own pipe."""
+
+    pid: int
+    stream: str
+    lines: list[tuple[str, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankReaped:
+    """The rank `pid` ended, and everything it wrote was sent before this."""
+
+    pid: int
+    returncode: int

@@ -9,6 +9,7 @@ environment, so modules next to the notebook import on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import queue
@@ -18,6 +19,7 @@ import sys
 import threading
 
 from ..events import ProcessExited, RankOutput
+from ..messages import ForkRank, RankForked, RankReaped, RankWrote
 from .rank_factory import FrameReader, write_frame
 
 START_TIMEOUT_S = 60.0
@@ -42,7 +44,7 @@ class _RankFactory:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def fork_rank(self, request: dict, on_exit, on_output) -> int:
+    def fork_rank(self, request: ForkRank, on_exit, on_output) -> int:
         """Start one rank. From another thread, `on_output(stream, lines)` is called with what
         it writes, then `on_exit(returncode)` once it has ended and all it wrote was read."""
         request_id = next(self._ids)
@@ -50,7 +52,7 @@ class _RankFactory:
         with self._lock:
             self._started[request_id] = reply
             self._output_listeners[("request", request_id)] = on_output
-            write_frame(self._process.stdin.fileno(), {**request, "id": request_id})
+            write_frame(self._process.stdin.fileno(), dataclasses.replace(request, id=request_id))
         try:
             pid = reply.get(timeout=START_TIMEOUT_S)
         except queue.Empty:
@@ -79,24 +81,25 @@ class _RankFactory:
 
     def _dispatch(self, replies: FrameReader) -> None:
         while (messages := replies.read()) is not None:
-            for kind, key, value in messages:
+            for message in messages:
+                on_exit = None
                 with self._lock:
-                    if kind == "started":
-                        on_output = self._output_listeners.pop(("request", key))
-                        self._output_listeners[value] = on_output
-                        self._started.pop(key).put(value)
-                        continue
-                    if kind == "out":  # after its exit: a process the rank started lives on
-                        listener = self._output_listeners.get(key)
-                        if listener is not None:
-                            listener(*value)
-                        continue
-                    self._output_listeners.pop(key, None)
-                    listener = self._exit_listeners.pop(key, None)
-                    if listener is None:
-                        self._early_exits[key] = value
-                if listener is not None:
-                    listener(value)
+                    match message:
+                        case RankForked(request_id, pid):
+                            on_output = self._output_listeners.pop(("request", request_id))
+                            self._output_listeners[pid] = on_output
+                            self._started.pop(request_id).put(pid)
+                        case RankWrote(pid, stream, lines):
+                            # (also after its exit: a process the rank started lives on)
+                            if (on_output := self._output_listeners.get(pid)) is not None:
+                                on_output(stream, lines)
+                        case RankReaped(pid, returncode):
+                            self._output_listeners.pop(pid, None)
+                            on_exit = self._exit_listeners.pop(pid, None)
+                            if on_exit is None:
+                                self._early_exits[pid] = returncode
+                if on_exit is not None:
+                    on_exit(message.returncode)
 
 
 _factory: _RankFactory | None = None
@@ -164,8 +167,7 @@ class LocalLauncher:
                     events.put(RankOutput(rank, stream, text, replace))
 
             pid = factory.fork_rank(
-                {"rank": rank, "control": control_address, "secret": secret, "env": env,
-                 "cwd": os.getcwd(), "sys_path": sys_path},
+                ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
                 on_exit, on_output)
             self._pids.append(pid)
             self._exited[pid] = exited

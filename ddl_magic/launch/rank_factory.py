@@ -8,10 +8,10 @@ process that never touches CUDA and forks from its only Python thread.
 
 The factory talks to its parent over its stdin and stdout, which only that parent holds:
 
-    parent ── fork(request) ──► factory ── os.fork() ──► rank: setsid, cwd, sys.path,
-    parent ◄── ("started", id, pid) ──                         environment, run the worker
-    parent ◄── ("out", pid, (stream, lines)) ── (what the rank wrote, line by line)
-    parent ◄── ("exited", pid, returncode) ── (when the factory reaps a rank)
+    parent ── ForkRank ──► factory ── os.fork() ──► rank: setsid, cwd, sys.path,
+    parent ◄── RankForked ──                          environment, run the worker
+    parent ◄── RankWrote ── (what the rank wrote, line by line)
+    parent ◄── RankReaped ── (when the factory reaps a rank, after all it wrote)
 
 The factory owns each rank's output: a rank's stdout and stderr are pipes whose read ends
 only the factory holds, so whatever the rank wrote before it died (a segfault, the OOM
@@ -33,6 +33,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
+from ..messages import ForkRank, RankForked, RankReaped, RankWrote
 from ..output_lines import LineSplitter
 
 _LENGTH = struct.Struct("!Q")
@@ -120,7 +121,7 @@ def serve() -> None:
                     os.close(write_end)  # before the next fork: only this rank may hold it
                     os.set_blocking(read_end, False)
                     streams[read_end] = _RankStream(pid, stream)
-                write_frame(1, ("started", request["id"], pid))
+                write_frame(1, RankForked(request.id, pid))
 
 
 def _forward(streams: dict[int, _RankStream], fd: int, until_empty: bool) -> None:
@@ -134,7 +135,7 @@ def _forward(streams: dict[int, _RankStream], fd: int, until_empty: bool) -> Non
             return
         lines = rank_stream.lines.feed(chunk) if chunk else rank_stream.lines.finish()
         if lines:
-            write_frame(1, ("out", rank_stream.pid, (rank_stream.stream, lines)))
+            write_frame(1, RankWrote(rank_stream.pid, rank_stream.stream, lines))
         if not chunk:
             os.close(fd)
             del streams[fd]
@@ -154,10 +155,10 @@ def _report_exits(streams: dict[int, _RankStream]) -> None:
         # Everything it wrote is in its pipes now (more only if a child of its own lives on).
         for fd in [fd for fd, rank_stream in streams.items() if rank_stream.pid == pid]:
             _forward(streams, fd, until_empty=True)
-        write_frame(1, ("exited", pid, os.waitstatus_to_exitcode(status)))
+        write_frame(1, RankReaped(pid, os.waitstatus_to_exitcode(status)))
 
 
-def _become_rank(request: dict, pipes: dict[str, tuple[int, int]], *factory_fds: int) -> None:
+def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_fds: int) -> None:
     """In the forked child: become a rank as if freshly started, run it, and exit.
 
     Its stdout and stderr are the write ends of `pipes`, which the factory reads."""
@@ -174,16 +175,16 @@ def _become_rank(request: dict, pipes: dict[str, tuple[int, int]], *factory_fds:
             os.close(read_end)
             os.dup2(write_end, fd)
             os.close(write_end)
-        os.chdir(request["cwd"])
-        sys.path[:] = request["sys_path"]
+        os.chdir(request.cwd)
+        sys.path[:] = request.sys_path
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(request.env)
         import torch
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1") or 1)))
         from .. import worker
 
-        code = worker.run_rank(request["control"], request["rank"], request["secret"],
+        code = worker.run_rank(request.control, request.rank, request.secret,
                                parent_forwards_output=True)
         atexit._run_exitfuncs()
     except SystemExit as exc:
