@@ -101,8 +101,10 @@ def train(steps: int, started_dir: str | None = None, kill_rank: int | None = No
                                          named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for step in range(steps):
-        if step == 1 and started_dir:
-            Path(started_dir, f"rank-{hvd.rank()}").write_text(socket.gethostname())
+        if step == 1 and started_dir:  # written whole, then named: a reader never sees it empty
+            unnamed = Path(started_dir, f".rank-{hvd.rank()}")
+            unnamed.write_text(socket.gethostname())
+            unnamed.rename(Path(started_dir, f"rank-{hvd.rank()}"))
         if step == kill_at and hvd.rank() == kill_rank:
             print(f"KILL_AT step {step} at {time.time()}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -207,7 +209,7 @@ def start_training_in_background(tmp_path, **env):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    assert wait_until(lambda: len(list(started.iterdir())) == NP or outcome, timeout_s=90), \
+    assert wait_until(lambda: len(list(started.glob("rank-*"))) == NP or outcome, timeout_s=90), \
         "the ranks did not start training"
     assert not outcome, f"the run ended before training: {outcome}"
     return started, outcome, thread
