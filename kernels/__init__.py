@@ -21,6 +21,6 @@ tensor([[2.5000],
 :func:`backend_for`.
 """
 
-from .dispatch import backend_for, compress, decompress, pack, reduce_, unpack
+from .dispatch import backend_for, compress, decompress, pack, reduce_, reducer, unpack
 
-__all__ = ["backend_for", "compress", "decompress", "pack", "reduce_", "unpack"]
+__all__ = ["backend_for", "compress", "decompress", "pack", "reduce_", "reducer", "unpack"]

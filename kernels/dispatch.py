@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -86,6 +86,21 @@ def reduce_(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
     """
     check_reduce(dst, src, op)
     _backend(dst).reduce_(dst, src, op)
+
+
+def reducer(op: str, like: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``reduce_`` for many calls on tensors like ``like`` (its dtype and device): ``op`` is
+    checked and the backend chosen once, and each call goes straight to it. The calls'
+    tensors must be contiguous, of equal numel, with ``like``'s dtype and device; a
+    collective reducing chunk after chunk pays for the checks only once.
+
+    >>> add = reducer("sum", torch.zeros(2))
+    >>> dst = torch.tensor([1.0, 2.0])
+    >>> add(dst, torch.tensor([3.0, 4.0])); dst
+    tensor([4., 6.])
+    """
+    check_reduce(like, like, op)
+    return functools.partial(_backend(like).reduce_, op=op)
 
 
 def compress(src: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

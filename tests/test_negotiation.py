@@ -133,3 +133,39 @@ def test_the_cache_stays_bounded_and_skips_unnamed_ops():
     assert c.take_cycle(now=1).cache_updates == {}
     c.submit(0, [allreduce(f"grad.{i}") for i in range(CACHE_CAPACITY + 10)], now=2)
     assert len(c.take_cycle(now=3).cache_updates) == CACHE_CAPACITY
+
+
+def cached_ids(c, requests, size=2):
+    """Negotiate `requests` once on every rank in lockstep; their cache ids."""
+    cache = RequestCache()
+    cycle = c.agree([list(requests)] * size, now=0)
+    cache.update(cycle.cache_updates)
+    return [cache.encode(request) for request in requests]
+
+
+def test_lockstep_agreement_answers_a_repeated_step_from_its_memo_as_take_cycle_would():
+    c = coordinator(fusion=40)  # two tensors of 4 float32 per fused response
+    ids = cached_ids(c, [allreduce(n) for n in "abc"])
+    first = c.agree([ids, ids], now=1)
+    assert [r.names for r in first.responses] == [("a", "b"), ("c",)]
+    c.take_cycle = None  # a memo hit needs no decision: it would fail here if one were taken
+    again = c.agree([ids, ids], now=2)
+    assert again.responses == first.responses and again.responses is not first.responses
+
+
+def test_lockstep_agreement_decides_afresh_when_ranks_differ_or_something_is_outstanding():
+    c = coordinator()
+    a, b = cached_ids(c, [allreduce("a"), allreduce("b")])
+    c.agree([[a, b], [a, b]], now=1)  # the step, remembered
+    assert c.agree([[a, b], [b]], now=2).responses[0].names == ("b",)  # rank 1 is behind on a
+    # a is outstanding now: the same step must not be answered from the memo (a runs once)
+    assert c.agree([[], [a]], now=3).responses[0].names == ("a",)
+    assert [r.names for r in c.agree([[a, b], [a, b]], now=4).responses] == [("a", "b")]
+
+
+def test_lockstep_agreement_never_remembers_a_mismatch():
+    c = coordinator()
+    (grad,) = cached_ids(c, [allreduce("grad")])
+    wrong = allreduce("grad", numel=8)
+    assert c.agree([[grad], [wrong]], now=1).responses[0].error is not None
+    assert c.agree([[grad], [grad]], now=2).responses[0].error is None

@@ -7,8 +7,10 @@ in the middle of a shared-memory allreduce, the choice of transport, and the seg
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 
@@ -193,5 +195,106 @@ def test_messages_longer_than_a_buffer_are_exchanged_in_several_rounds():
         return tensor.tolist()
 
     assert on_both(groups, allreduce) == [[3.0] * 10, [3.0] * 10]
+    for group in groups:
+        group.close()
+
+
+# ---- GPU buffers: the mapping and the rounds over them, with host memory standing in ---------
+
+class HostMemoryStandingInForGpu:
+    """Plays `CudaIpcMemory`'s part with host memory, so that what the host group does with
+    GPU buffers (agree on mapping them, run its rounds through them, fence every phase) runs
+    here: 'exported' as a memfd, 'opened' through /proc, every fence counted."""
+
+    refusing = threading.local()  # .now: the calling thread's export fails
+
+    def __init__(self, device, regions, own_fd, opened):
+        self.device, self.regions, self.own_fd, self.fences = device, regions, own_fd, 0
+
+    @classmethod
+    def export(cls, device):
+        if getattr(cls.refusing, "now", False):
+            raise RuntimeError("cudaMalloc failed: out of memory (CUDA error 2)")
+        fd = os.memfd_create("stand-in", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 2 * shared_memory.BUFFER_BYTES)
+        return fd, pickle.dumps((os.getpid(), fd))
+
+    @classmethod
+    def open(cls, device, own_index, own_fd, handles):
+        regions = []
+        for handle in handles:
+            pid, fd = pickle.loads(handle)
+            with open(f"/proc/{pid}/fd/{fd}", "r+b") as file:
+                regions.append(torch.frombuffer(mmap.mmap(file.fileno(), 2 * shared_memory.BUFFER_BYTES),
+                                                dtype=torch.uint8))
+        return cls(device, regions, own_fd, [])
+
+    def view(self, index, buffer, dtype, numel, offset=0):
+        start = buffer * shared_memory.BUFFER_BYTES + offset
+        return self.regions[index][start:start + numel * dtype.itemsize].view(dtype)
+
+    def fence(self):
+        self.fences += 1
+
+    def close(self):
+        os.close(self.own_fd)
+
+
+@pytest.fixture
+def stand_in_for_gpu(monkeypatch):
+    monkeypatch.setattr(shared_memory, "CudaIpcMemory", HostMemoryStandingInForGpu)
+    return HostMemoryStandingInForGpu
+
+
+def test_gpu_buffers_are_mapped_once_and_every_collective_runs_through_them(stand_in_for_gpu):
+    groups = group_pair()
+    device = torch.device("cpu")  # the stand-in's "GPU": tensors here use its buffers
+
+    def collectives(group):
+        memory = group.gpu_memory(device)
+        assert group.gpu_memory(torch.device("cpu")) is memory  # mapped once
+        me = group.index
+        small, large = torch.full((1001,), me + 1.0), torch.arange(300_001.0) * (me + 1)
+        group.allreduce(small, "sum")  # one phase
+        group.allreduce(large, "max")  # two phases
+        parts = [(0, 400), (400, 1001)]
+        scattered = torch.full((1001,), me + 1.0)
+        group.reduce_scatter(scattered, parts, "sum")
+        blocks = [torch.full((3 + index,), -1.0) for index in range(2)]
+        blocks[me].fill_(me)
+        group.allgather(blocks)
+        sent = torch.full((5,), 7.0) if me == 1 else torch.zeros(5)
+        group.broadcast(sent, root_index=1)
+        # the data went through the stand-in's buffers, never the segments' (whose first
+        # bytes carried the mapping's messages: the large allreduce would have passed here)
+        untouched = not any(buffer[1 << 16:1 << 20].any() for buffer in group.own.buffers)
+        return (memory, small.unique().tolist(), torch.equal(large, torch.arange(300_001.0) * 2),
+                scattered[slice(*parts[me])].unique().tolist(), [b.tolist() for b in blocks],
+                sent.tolist(), untouched)
+
+    results = on_both(groups, collectives)
+    for me, (memory, small, large, scattered, blocks, sent, untouched) in enumerate(results):
+        assert isinstance(memory, HostMemoryStandingInForGpu)
+        assert small == [3.0] and large and scattered == [3.0] and untouched
+        assert blocks == [[0.0] * 3, [1.0] * 4] and sent == [7.0] * 5
+        assert memory.fences == 1 + 2 + 1 + 1 + 1  # every phase fenced before it was published
+    for group in groups:
+        group.close()
+
+
+def test_gpu_buffers_that_one_rank_cannot_map_leave_every_rank_on_host_memory(stand_in_for_gpu, capfd):
+    groups = group_pair()
+
+    def map_then_reduce(group):
+        stand_in_for_gpu.refusing.now = group.index == 1  # this thread plays rank 1: it fails
+        memory = group.gpu_memory(torch.device("cpu"))
+        tensor = torch.full((10,), group.index + 1.0)
+        group.allreduce(tensor, "sum")
+        return memory, tensor.tolist()
+
+    results = on_both(groups, map_then_reduce)
+    assert [memory for memory, _ in results] == [None, None]
+    assert [values for _, values in results] == [[3.0] * 10] * 2
+    assert "staged through host memory" in capfd.readouterr().err
     for group in groups:
         group.close()

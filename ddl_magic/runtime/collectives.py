@@ -2,22 +2,25 @@
 
 The op queue hands each `Response` here together with this rank's entries for its names.
 Everything around the data movement lives here — packing many tensors into one fusion
-buffer, the prescale and postscale factors, staging CUDA tensors through host memory, and
-choosing how the data moves — so the algorithms stay plain:
+buffer, the prescale and postscale factors, where CUDA tensors go, and choosing how the data
+moves — so the algorithms stay plain:
 
-- every rank on this host: shared memory (`shared_memory.py`);
+- every rank on this host: shared memory (`shared_memory.py`), host memory for CPU tensors
+  and GPU memory mapped between the ranks (CUDA IPC) for CUDA tensors; a small allreduce's
+  data may even ride on the negotiation round that agrees on it (`run_attached`);
 - several hosts with the same number of ranks each: hierarchical allreduce, Horovod's
   HOROVOD_HIERARCHICAL_ALLREDUCE (reduce-scatter within the host through shared memory, ring
   allreduce of each rank's part across hosts, allgather within the host: only 1/local_size
   of the bytes cross between hosts); reduce-scatter, allgather and broadcast use the ring;
 - otherwise the TCP ring (`ring.py`), ordered host by host.
+
+Off a single host, CUDA tensors are staged through (pinned) host memory.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -26,23 +29,28 @@ from .negotiation import Request, Response
 from .reduce_ops import ReduceOp
 from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
                    ring_broadcast, ring_reduce_scatter)
-from .shared_memory import HostGroup
+from .shared_memory import BUFFER_BYTES, MESSAGE_BYTES, HostGroup
 from .timeline import recorder
 from .transport import RingTransport
 
 
-@dataclass
 class Entry:
-    """This rank's side of one submitted collective: its request, tensors and handle."""
+    """This rank's side of one submitted collective: its request, tensors and handle.
 
-    request: Request
-    tensor: torch.Tensor | None
-    output: torch.Tensor | None
-    handle: "object"
-    submitted_ns: int = field(default_factory=time.monotonic_ns)
+    (A class with slots, not a dataclass: a burst of small collectives makes thousands.)
+    """
+
+    __slots__ = ("request", "tensor", "output", "handle", "submitted_ns")
+
+    def __init__(self, request: Request, tensor: torch.Tensor | None,
+                 output: torch.Tensor | None, handle: "object"):
+        self.request, self.tensor, self.output, self.handle = request, tensor, output, handle
+        self.submitted_ns = time.monotonic_ns()
 
 
 TIMELINE_NAMES_LISTED = 16
+ATTACHABLE_BYTES = BUFFER_BYTES - MESSAGE_BYTES
+"""The most data that can ride on a negotiation round (see `CollectiveRunner.attachable`)."""
 
 
 class CollectiveRunner:
@@ -83,6 +91,67 @@ class CollectiveRunner:
             self._broadcast(entries[0])
         # "barrier" and "join": agreeing that every rank got here is the whole operation.
 
+    # ---- data that rides on the negotiation round (one host: see HostGroup.exchange) ------
+
+    def attachable(self, entries: list[Entry]) -> int:
+        """The bytes of the one fused allreduce that `entries` would make, if it can ride on
+        a negotiation round: host tensors, every rank on this host, fitting the payload area.
+        0 if not."""
+        if self._shared_memory is None or not entries:
+            return 0
+        first = entries[0].request
+        key = ("allreduce", first.dtype, first.op, first.prescale, first.postscale)
+        total = 0
+        for entry in entries:
+            request = entry.request
+            if (request.kind, request.dtype, request.op, request.prescale,
+                    request.postscale) != key or not entry.tensor.is_cpu \
+                    or not entry.tensor.is_contiguous():
+                return 0
+            total += entry.tensor.numel()
+        total *= first.dtype.itemsize
+        return total if total <= ATTACHABLE_BYTES else 0
+
+    def attach(self, entries: list[Entry], payload, nbytes: int) -> None:
+        """Pack the entries' tensors, prescaled, straight into the round's payload area
+        (`payload(dtype, numel)` views it)."""
+        request = entries[0].request
+        area = payload(request.dtype, nbytes // request.dtype.itemsize)
+        with _TimelineLabels(entries, nbytes).span("pack"):
+            if len(entries) == 1 and request.prescale == 1.0:  # one torch call, not a pack's five
+                tensor = entries[0].tensor
+                area.copy_(tensor if tensor.dim() == 1 else tensor.view(-1))
+            else:
+                kernels.pack([e.tensor for e in entries], area, request.prescale)
+
+    def run_attached(self, entries: list[Entry]) -> None:
+        """Run the allreduce of `entries`, whose data every rank attached to the last
+        negotiation round, and write the results into their outputs."""
+        request = entries[0].request
+        op = ReduceOp(request.op)
+        postscale = request.postscale / self.transport.world.size if op is ReduceOp.AVERAGE \
+            else request.postscale
+        for entry in entries:
+            if entry.output is None:
+                entry.output = torch.empty_like(entry.tensor)
+        numel = sum(e.tensor.numel() for e in entries)
+        labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
+        alone = len(entries) == 1 and _is_host_contiguous(entries[0].output)
+        reduced = entries[0].output.view(-1) if alone else \
+            self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
+        with labels.span("shared_memory", op="allreduce", size=self.transport.world.size):
+            self._shared_memory.allreduce_attached(reduced, op.kernel_name)
+        if alone:
+            _scale(reduced, postscale)
+            return
+        with labels.span("unpack"):
+            outputs = [e.output for e in entries]
+            staged = [_on(o, reduced.device) for o in outputs]
+            kernels.unpack(reduced, staged, postscale)
+            _copy_back(outputs, staged)
+
+    # ---- the collectives ----------------------------------------------------------------
+
     def _allreduce(self, entries: list[Entry]) -> None:
         request = entries[0].request
         for entry in entries:
@@ -94,16 +163,21 @@ class CollectiveRunner:
         if len(entries) == 1 and _is_host_contiguous(entries[0].output):
             self._allreduce_in_place(entries, op, postscale)
             return
-        devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
-        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        gpu = self._gpu_memory(entries)
+        if gpu is not None:
+            device = gpu.device
+        else:
+            devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
+            device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         numel = sum(e.tensor.numel() for e in entries)
         labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
         # Pack where the tensors live (on a GPU: one Triton launch for all of them), ...
         fused = self._fusion_buffer(request.dtype, numel, device)
         with labels.span("pack"):
             kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
-        # ... reduce over TCP from host memory (pinned, for fast copies from and to a GPU), ...
-        wire = fused if device.type == "cpu" else self._staged_on_host(fused)
+        # ... reduce: GPU buffers of one host through their peer-mapped memory, on the GPU;
+        # otherwise from host memory (pinned, for fast copies from and to a GPU), ...
+        wire = fused if device.type == "cpu" or gpu is not None else self._staged_on_host(fused)
         self._ring_allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
@@ -113,6 +187,14 @@ class CollectiveRunner:
             staged = [_on(o, device) for o in outputs]
             kernels.unpack(fused, staged, postscale)
             _copy_back(outputs, staged)
+
+    def _gpu_memory(self, entries: list[Entry]):
+        """The host's peer-mapped GPU memory, where these entries' allreduce can run in it:
+        every rank on this host, and every entry's tensor on a GPU (the ranks agreed on where
+        each tensor lives, so every rank answers alike)."""
+        if self._shared_memory is None or entries[0].request.device != "cuda":
+            return None
+        return self._shared_memory.gpu_memory(entries[0].tensor.device)
 
     def _allreduce_in_place(self, entries: list[Entry], op: ReduceOp, postscale: float) -> None:
         """One host tensor: reduce directly in its output, skipping the fusion buffer's copies."""
@@ -130,18 +212,18 @@ class CollectiveRunner:
                 self._shared_memory.allreduce(buffer, op.kernel_name)
         elif self._hierarchical:
             observer = _TimelineObserver(labels, self.cross) if recorder.enabled else UNOBSERVED
-            scratch = self._scratch_for(buffer.dtype)
+            scratch, reduce = self._scratch_for(buffer.dtype), kernels.reducer(op.kernel_name, buffer)
 
             def across_hosts(part: torch.Tensor) -> None:
-                ring_allreduce(part, self.cross, _reducer(op), scratch, observer)
+                ring_allreduce(part, self.cross, reduce, scratch, observer)
 
             with labels.span("shared_memory", op="hierarchical allreduce",
                              size=self.transport.world.size):
                 self.host_group.allreduce(buffer, op.kernel_name, across_hosts)
         else:
             observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
-            ring_allreduce(buffer, self.transport, _reducer(op), self._scratch_for(buffer.dtype),
-                           observer)
+            ring_allreduce(buffer, self.transport, kernels.reducer(op.kernel_name, buffer),
+                           self._scratch_for(buffer.dtype), observer)
 
     def _reducescatter(self, entry: Entry) -> None:
         """Reduce the tensor over all ranks; this rank keeps its `splits[rank]` rows of dim 0.
@@ -171,7 +253,7 @@ class CollectiveRunner:
                     buffer, [parts[member] for member in self._shared_memory.ranks], op.kernel_name)
         else:
             observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
-            ring_reduce_scatter(buffer, parts, self.transport, _reducer(op),
+            ring_reduce_scatter(buffer, parts, self.transport, kernels.reducer(op.kernel_name, buffer),
                                 self._scratch_for(buffer.dtype), observer)
         own_start, own_end = parts[rank]
         mine = buffer[own_start:own_end]
@@ -302,13 +384,6 @@ class _TimelineObserver(RingObserver):
                          "bytes": received.numel() * received.element_size(), "from": self.left})
 
 
-def _reducer(op: ReduceOp):
-    name = op.kernel_name
-
-    def reduce(dst: torch.Tensor, src: torch.Tensor) -> None:
-        kernels.reduce_(dst, src, name)
-
-    return reduce
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:
@@ -321,7 +396,7 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 
 def _is_host_contiguous(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.is_contiguous()
+    return tensor.is_cpu and tensor.is_contiguous()
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

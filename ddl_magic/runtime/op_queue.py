@@ -60,8 +60,9 @@ class Handle:
         return self._output
 
     def _complete(self, output: torch.Tensor | None = None, error: BaseException | None = None):
+        """Called once the queue has forgotten the name (`OpQueue._forget`): when `done()`
+        turns True, the name is free again."""
         self._output, self._error = output, error
-        self._queue._forget(self.name)  # before done() turns True: the name is free again then
         self._pending.release()
         if self._on_done is not None:
             self._on_done(self)
@@ -127,9 +128,8 @@ class OpQueue:
         first_dims = (request.shape[0] if request.shape else 1,)
         try:
             self._runner.run(Response(request.kind, (request.name,), first_dims=first_dims), [entry])
-        except BaseException:
-            self._forget(request.name)  # raised to the caller: nothing is left in flight
-            raise
+        finally:
+            self._forget((request.name,))  # also when raised to the caller: nothing is left in flight
         entry.handle._complete(output=entry.output)
         return entry.handle
 
@@ -179,8 +179,10 @@ class OpQueue:
         waited = [item for item in items if isinstance(item, str) and item in self._pending]
         return entries, waited, closing
 
-    def _execute(self, cycle: Cycle) -> None:
-        for response in cycle.responses:
+    def _execute(self, cycle: Cycle, first_attached: bool = False) -> None:
+        """Run the cycle's responses in order. `first_attached`: every rank attached the first
+        one's data to the negotiation round that agreed on it (`op_queue_shm.py`)."""
+        for index, response in enumerate(cycle.responses):
             entries = [self._pending.pop(name, None) for name in response.names]
             if None in entries:  # this rank has joined: it takes part with zeros
                 entries = [entry or _zeros_entry(request)
@@ -190,23 +192,29 @@ class OpQueue:
                                 time.monotonic_ns())
             if response.error is not None:
                 error = CollectiveMismatchError(response.error)
+                self._forget(response.names)
                 for entry in entries:
                     entry.handle._complete(error=error)
                 continue
             if response.kind == "join":
                 entries[0].output = torch.tensor(response.last_joined_rank)
             try:
-                self._runner.run(response, entries)
+                if first_attached and index == 0:
+                    self._runner.run_attached(entries)
+                else:
+                    self._runner.run(response, entries)
             except BaseException:
                 # `_fail` completes what is pending: these too, or their callers wait for ever.
                 self._pending.update((entry.request.name, entry) for entry in entries)
                 raise
+            self._forget(response.names)
             for entry in entries:
                 entry.handle._complete(output=entry.output)
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, names) -> None:
+        """The names are free for new collectives again (their handles complete next)."""
         with self._lock:
-            self._in_flight.discard(name)
+            self._in_flight.difference_update(names)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -214,9 +222,11 @@ class OpQueue:
                 self._failure = error
             leftover = [item for item in self._incoming if isinstance(item, Entry)]
             self._incoming.clear()
-        for entry in [*self._pending.values(), *leftover]:
-            entry.handle._complete(error=error)
+        failed = [*self._pending.values(), *leftover]
         self._pending.clear()
+        self._forget([entry.request.name for entry in failed])
+        for entry in failed:
+            entry.handle._complete(error=error)
 
 
 def _zeros_entry(request: Request) -> Entry:

@@ -17,7 +17,12 @@ cycle is one that wants it:
    its caller fused itself (DDP's buckets through the `ddl` backend) — and whenever a
    neighbour has started one: every rank takes part in every cycle;
 3. a rank that starts a cycle rings the doorbells of the neighbours that have not, so an
-   idle rank joins at once.
+   idle rank joins at once;
+4. the cycle's round carries data: each rank attaches the data of what it has pending when
+   that makes one allreduce that fits, and when the cycle runs exactly that first, it runs
+   from there, without a round of its own (a training step's allreduce costs one round,
+   not two), and the decision itself comes from a memo when every rank announced the same
+   cached requests (`Coordinator.agree`).
 
 Which thread may touch what: `_progress` is held by whichever thread runs a cycle, and only
 its holder touches the replica, the request cache, `_pending` and the shared-memory group's
@@ -41,7 +46,7 @@ from .collectives import CollectiveRunner
 from .errors import HorovodInternalError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
-from .shared_memory import SLEEP_SLICE_S, HostGroup
+from .shared_memory import MESSAGE_BYTES, SLEEP_SLICE_S, HostGroup
 
 _MAX_WINDOWS = 10
 
@@ -173,30 +178,55 @@ class SharedMemoryOpQueue(OpQueue):
         return max(0.0, due - time.monotonic())
 
     def _cycle(self) -> None:
-        """One lockstep cycle: exchange submissions, decide like everyone else, run the result."""
+        """One lockstep cycle: exchange submissions, decide like everyone else, run the result.
+
+        Each rank also attaches the data of everything it has pending, when that makes one
+        allreduce that fits (`CollectiveRunner.attachable`), and says which names it carries.
+        If the cycle then runs exactly those names first, and every rank attached them, the
+        allreduce reduces the attached data without a round of its own.
+        """
         try:
             entries, _, closing = self._take_incoming()
-            mine = pickle.dumps(([self._cache.encode(e.request) for e in entries], closing),
-                                protocol=pickle.HIGHEST_PROTOCOL)
-            everyone = self._group.exchange(mine)
-            now = time.monotonic()
-            gone = []
-            for rank, message in enumerate(everyone):  # one host: local index == rank
-                requests, rank_closing = pickle.loads(message)
-                self._replica.submit(rank, requests, now)
-                if rank_closing:
-                    gone.append(rank)
+            announced = [self._cache.encode(e.request) for e in entries]
+            carried = list(self._pending.values())  # older pending entries first, then these
+            nbytes = self._runner.attachable(carried)
+            offer = None
+            if nbytes:
+                offer = announced if len(carried) == len(entries) else \
+                    [self._cache.encode(e.request) for e in carried]
+            mine = pickle.dumps((announced, closing, offer), protocol=pickle.HIGHEST_PROTOCOL)
+            attach = None
+            if offer is not None and len(mine) <= MESSAGE_BYTES - 8:
+                def attach(area):
+                    self._runner.attach(carried, area, nbytes)
+            elif offer is not None:  # no room after the message: say so, attach nothing
+                mine = pickle.dumps((announced, closing, None), protocol=pickle.HIGHEST_PROTOCOL)
+            everyone = [pickle.loads(message) for message in self._group.exchange(mine, attach)]
+            gone = [rank for rank, (_, rank_closing, _) in enumerate(everyone) if rank_closing]
             if gone:
                 raise HorovodInternalError(
                     f"rank {gone[0]} has shut down (hvd.shutdown(), or its function returned): "
                     "no more collectives can run in this job")
-            cycle = self._replica.take_cycle(now, flush=True)
+            cycle = self._replica.agree([requests for requests, _, _ in everyone], time.monotonic())
             if cycle is not None:
                 self._cache.update(cycle.cache_updates)
-                self._execute(cycle)
+                self._execute(cycle, first_attached=self._all_attached(cycle, everyone))
         except BaseException as exc:  # every pending handle must learn why, on every thread
             self._fail(exc if isinstance(exc, HorovodInternalError)
                        else HorovodInternalError(f"ddl_magic negotiation failed: {exc!r}"))
+
+    def _all_attached(self, cycle, everyone) -> bool:
+        """Did every rank attach the data of the cycle's first response, and nothing else?
+        (Every rank sees the same messages and decisions, so all answer alike.)"""
+        first = cycle.responses[0]
+        offer = everyone[0][2]
+        if (first.kind != "allreduce" or first.error is not None or first.for_joined_ranks
+                or offer is None or len(offer) != len(first.names)):
+            return False
+        # The same requests encode alike on every rank (the caches update alike), so equal
+        # offers carry equal data layouts.
+        return (all(theirs == offer for _, _, theirs in everyone[1:])
+                and tuple(map(self._replica.name_of, offer)) == first.names)
 
     def _work_left(self) -> bool:
         with self._lock:

@@ -28,6 +28,8 @@ def as_reduce_op(op: "int | ReduceOp | None", average: "bool | None" = None) -> 
         return ReduceOp.AVERAGE if average else ReduceOp.SUM
     if op is None:
         return ReduceOp.AVERAGE
+    if type(op) is ReduceOp and op is not ReduceOp.ADASUM:
+        return op  # hvd.Sum and friends, as most calls pass them
     try:
         resolved = ReduceOp(op)
     except ValueError:

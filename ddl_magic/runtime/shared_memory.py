@@ -30,9 +30,20 @@ Allreduce, for each piece of the buffer that fits in a data buffer:
 Either way each element is reduced by one computation that every rank reads the result of
 (or that every rank runs identically), so all ranks end bit-identical.
 
+Data with the negotiation. A negotiation cycle is one round of its own (`exchange`): every
+rank writes a message at the start of its buffer. A rank may also attach, after the first
+`MESSAGE_BYTES`, the data of the allreduce it expects to run next; when the cycle decides on
+exactly what every rank attached, `allreduce_attached` reduces it from there, in the same
+round (one phase more for a large one), instead of starting a round of its own. A small step
+of a training loop then costs one round, not two.
+
 Reduce-scatter, one phase per piece: every rank publishes the parts the others own and
 reduces its own part in place from every neighbour's buffer (the first phase of the large
 path above, with each rank's part given by the caller).
+
+GPU tensors run the same rounds through buffers in GPU memory that the ranks map from each
+other with CUDA IPC (`peer_memory.py`), mapped the first time a collective needs them; the
+counters stay here, and each phase's GPU work is fenced before its counter is bumped.
 
 Waiting. A waiting rank spins on the counters for `SPIN_S` when the host has a core for
 every rank, then sleeps on the counter's futex in slices of `SLEEP_SLICE_S`; between slices
@@ -53,8 +64,10 @@ the runtime uses TCP (see `supported`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
+import pickle
 import select
 import struct
 import sys
@@ -67,16 +80,17 @@ import torch
 from .. import kernels
 from . import futex
 from .errors import PeerLostError
+from .peer_memory import BUFFER_BYTES, CudaIpcMemory, HostMemory, PeerMemory
 from .ring import chunk_bounds
 from .settings import TRANSPORT_VARIABLE
 from .world import World
 
 HEADER_BYTES = 4096  # the counters, on their own page
 _DOORBELL_OFFSET = 64  # a cache line away from the progress counter
-BUFFER_BYTES = 8 << 20
-"""Bytes per data buffer: a larger allreduce runs as several rounds, alternating buffers."""
 SMALL_BYTES = 128 << 10
 """Pieces up to this size are reduced by every rank over all buffers: one wait instead of two."""
+MESSAGE_BYTES = 64 << 10
+"""A round's first bytes carry a negotiation message; data attached to it follows them."""
 SPIN_S = 100e-6
 _LENGTH = struct.Struct("<q")  # an exchanged message starts with its length
 SLEEP_SLICE_S = 0.05
@@ -133,8 +147,8 @@ class Segment:
         self._doorbell.value += 1
         futex.wake_all(self.doorbell_address)
 
-    def view(self, buffer: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        return self.buffers[buffer][:numel * dtype.itemsize].view(dtype)
+    def view(self, buffer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        return self.buffers[buffer][offset:offset + numel * dtype.itemsize].view(dtype)
 
     # Messages (negotiation) go through the mapping directly: a few small tensor operations
     # would cost more than the whole exchange.
@@ -180,7 +194,9 @@ class HostGroup:
     """The ranks of one host, and the collectives they run through shared memory.
 
     `segments` is every local rank's segment in local-rank order (this rank's own among
-    them), so the same index means the same rank on every member.
+    them), so the same index means the same rank on every member. Data moves through their
+    buffers (`memory`) for host tensors, and through GPU buffers mapped on first use
+    (`gpu_memory`) for CUDA tensors; the counters are the segments' either way.
     """
 
     def __init__(self, world: World, ranks: list[int], own: Segment,
@@ -191,34 +207,42 @@ class HostGroup:
         self.own = own
         self.neighbours = [neighbours[r] for r in ranks if r != world.rank]
         self.segments = [own if r == world.rank else neighbours[r].segment for r in ranks]
+        self.memory = HostMemory([segment.buffers for segment in self.segments])
+        self._gpu_memory: CudaIpcMemory | None = None
+        self._gpu_mapped = False  # whether the ranks have tried to map GPU buffers yet
+        self._others = [index for index in range(len(ranks)) if index != self.index]
         self.op_timeout = op_timeout
         self.spin_s = SPIN_S if len(ranks) <= len(os.sched_getaffinity(0)) else 0.0
         self._round = 0
+        self._attached_to: int | None = None  # the buffer of the last exchange, if data rode on it
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     # ---- collectives -----------------------------------------------------------------------
+    # `buffer` is a 1-D tensor on the host, or on a GPU whose `device_memory` is mapped.
 
     def allreduce(self, buffer: torch.Tensor, op: str,
                   across_hosts: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Reduce the 1-D host tensor `buffer` over the host's ranks, in place (`op`: kernels' name).
+        """Reduce `buffer` over the host's ranks, in place (`op`: kernels' name).
 
         Hierarchical allreduce: with `across_hosts`, each rank hands its part of the host's
         reduction to it (which reduces it with the same part on the other hosts, in place)
         before the parts are gathered, so the result is reduced over every rank of the run.
         """
+        memory, reduce = self._memory_of(buffer), kernels.reducer(op, buffer)
         for piece in self._pieces(buffer):
             if across_hosts is None and piece.numel() * piece.element_size() <= SMALL_BYTES:
-                self._reduce_everywhere(piece, op)
+                self._reduce_everywhere(memory, piece, reduce)
             else:
-                self._reduce_scatter_allgather(piece, op, across_hosts)
+                self._reduce_scatter_allgather(memory, piece, reduce, across_hosts)
 
     def reduce_scatter(self, buffer: torch.Tensor, parts: list[tuple[int, int]], op: str) -> None:
-        """Reduce the 1-D host tensor `buffer` over the host's ranks so that local rank i's
-        part, `buffer[parts[i][0]:parts[i][1]]`, holds the reduction on local rank i (the
-        rest of each rank's buffer is left as it was)."""
+        """Reduce `buffer` over the host's ranks so that local rank i's part,
+        `buffer[parts[i][0]:parts[i][1]]`, holds the reduction on local rank i (the rest of
+        each rank's buffer is left as it was)."""
+        memory, reduce = self._memory_of(buffer), kernels.reducer(op, buffer)
         own_start, own_end = parts[self.index]
         per_round = BUFFER_BYTES // buffer.element_size()
         for piece_start in range(0, buffer.numel(), per_round):
@@ -226,49 +250,53 @@ class HostGroup:
             start = min(max(own_start - piece_start, 0), piece.numel())  # my part, in this piece
             end = min(max(own_end - piece_start, start), piece.numel())
             round_buffer = self._next_buffer()
-            mine = self.own.view(round_buffer, piece.dtype, piece.numel())
+            mine = memory.view(self.index, round_buffer, piece.dtype, piece.numel())
             mine[:start].copy_(piece[:start])
             mine[end:].copy_(piece[end:])
-            self._publish_and_wait()
+            self._publish_and_wait(memory)
             if end > start:
                 reduced = piece[start:end]
-                for index, segment in enumerate(self.segments):
-                    if index != self.index:
-                        theirs = segment.view(round_buffer, piece.dtype, piece.numel())
-                        kernels.reduce_(reduced, theirs[start:end], op)
+                for index in self._others:
+                    theirs = memory.view(index, round_buffer, piece.dtype, piece.numel())
+                    reduce(reduced, theirs[start:end])
 
     def allgather(self, blocks: list[torch.Tensor]) -> None:
-        """`blocks[i]` is local rank i's 1-D block (this rank's filled in): fill in the others."""
+        """`blocks[i]` is local rank i's block (this rank's filled in): fill in the others."""
         mine = blocks[self.index]
-        itemsize = mine.element_size()
-        per_round = BUFFER_BYTES // itemsize
+        memory = self._memory_of(mine)
+        per_round = BUFFER_BYTES // mine.element_size()
         longest = max(block.numel() for block in blocks)
         for start in range(0, max(longest, 1), per_round):
             buffer = self._next_buffer()
             piece = mine[start:start + per_round]
-            self.own.view(buffer, mine.dtype, piece.numel()).copy_(piece)
-            self._publish_and_wait()
-            for index, block in enumerate(blocks):
-                if index != self.index:
-                    theirs = block[start:start + per_round]
-                    theirs.copy_(self.segments[index].view(buffer, block.dtype, theirs.numel()))
+            memory.view(self.index, buffer, mine.dtype, piece.numel()).copy_(piece)
+            self._publish_and_wait(memory)
+            for index in self._others:
+                theirs = blocks[index][start:start + per_round]
+                theirs.copy_(memory.view(index, buffer, theirs.dtype, theirs.numel()))
 
     def broadcast(self, buffer: torch.Tensor, root_index: int) -> None:
-        """Copy local rank `root_index`'s 1-D `buffer` to every rank of the host."""
+        """Copy local rank `root_index`'s `buffer` to every rank of the host."""
+        memory = self._memory_of(buffer)
         for piece in self._pieces(buffer):
             round_buffer = self._next_buffer()
             if self.index == root_index:
-                self.own.view(round_buffer, piece.dtype, piece.numel()).copy_(piece)
-            self._publish_and_wait()
+                memory.view(self.index, round_buffer, piece.dtype, piece.numel()).copy_(piece)
+            self._publish_and_wait(memory)
             if self.index != root_index:
-                piece.copy_(self.segments[root_index].view(round_buffer, piece.dtype, piece.numel()))
+                piece.copy_(memory.view(root_index, round_buffer, piece.dtype, piece.numel()))
 
-    def exchange(self, message: bytes) -> list[bytes]:
+    def exchange(self, message: bytes,
+                 attach: Callable[[torch.Tensor], None] | None = None) -> list[bytes]:
         """Every local rank's `message`, in local-rank order: one round (more if one is huge).
 
-        Neighbours that have not started this round yet have their doorbells rung, so an
-        idle one joins at once.
+        `attach(payload)` fills this rank's payload area before the round is published (the
+        host buffer after its first `MESSAGE_BYTES`; `payload(dtype, numel)` views it), only
+        with a message that fits before it: see `allreduce_attached`. Neighbours that have not
+        started this round yet have their doorbells rung, so an idle one joins at once.
         """
+        if attach is not None and len(message) > MESSAGE_BYTES - _LENGTH.size:
+            raise ValueError(f"a message of {len(message)} bytes leaves no room to attach data")
         capacity = BUFFER_BYTES - _LENGTH.size
         received = [bytearray() for _ in self.ranks]
         lengths: list[int] = []
@@ -276,15 +304,68 @@ class HostGroup:
         while not lengths or offset < max(lengths):
             buffer = self._next_buffer()
             self.own.write_message(buffer, len(message), message[offset:offset + capacity])
-            self._publish_and_wait(ring_late_neighbours=True)
+            if attach is not None:
+                attach(functools.partial(self.memory.view, self.index, buffer, offset=MESSAGE_BYTES))
+                attach = None
+            self._publish_and_wait(self.memory, ring_late_neighbours=True)
             if not lengths:
                 lengths = [segment.message_length(buffer) for segment in self.segments]
+                self._attached_to = buffer
+                if max(lengths) <= capacity:  # the usual case: one round, read as it is
+                    return [segment.read_message(buffer, length)
+                            for segment, length in zip(self.segments, lengths)]
             for index, segment in enumerate(self.segments):
                 take = min(capacity, lengths[index] - offset)
                 if take > 0:
                     received[index] += segment.read_message(buffer, take)
             offset += capacity
+        if max(lengths) > capacity:
+            self._attached_to = None  # later rounds of this exchange reused the buffer
         return [bytes(data) for data in received]
+
+    def allreduce_attached(self, out: torch.Tensor, op: str) -> None:
+        """Reduce into the 1-D host tensor `out` what every rank attached to the last
+        `exchange`: `out.numel()` elements of its dtype, at the start of each payload area.
+
+        Call it right after that exchange, before anything else runs a round: the round
+        after next may overwrite the attached data. Small data is reduced by every rank over
+        all payloads (no further wait); large data in place, each rank its part in its own
+        payload area, which the others copy out after one more phase.
+        """
+        buffer, self._attached_to = self._attached_to, None
+        if buffer is None:
+            raise RuntimeError("allreduce_attached: the last exchange carried no attached data")
+        numel, dtype, reduce = out.numel(), out.dtype, kernels.reducer(op, out)
+        attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
+                    for index in range(self.size)]
+        if numel * dtype.itemsize <= SMALL_BYTES:
+            out.copy_(attached[0])
+            for theirs in attached[1:]:
+                reduce(out, theirs)
+            return
+        parts = chunk_bounds(numel, self.size)
+        start, end = parts[self.index]
+        reduced = attached[self.index][start:end]
+        for index in self._others:
+            reduce(reduced, attached[index][start:end])
+        self._publish_and_wait(self.memory)
+        for index, (part_start, part_end) in enumerate(parts):
+            out[part_start:part_end].copy_(attached[index][part_start:part_end])
+
+    def gpu_memory(self, device: torch.device) -> CudaIpcMemory | None:
+        """The ranks' GPU buffers, this rank's on `device` (the first GPU a collective of
+        this rank used: later calls return the same, whatever their device), mapped on first
+        use; None where CUDA IPC does not work here (the caller then stages through host
+        memory).
+
+        Every local rank calls this at the same point: they run the same collectives in the
+        same order, and the ranks of a collective agree on its device type. So the mapping is
+        agreed over `exchange`: either every rank maps its neighbours' buffers or none does.
+        """
+        if not self._gpu_mapped:
+            self._gpu_mapped = True
+            self._gpu_memory = self._map_gpu_memory(device)
+        return self._gpu_memory
 
     def neighbour_started_a_round(self) -> bool:
         """Has a neighbour moved past this rank, i.e. begun a round this rank has not?"""
@@ -302,17 +383,17 @@ class HostGroup:
             if _ended(neighbour):
                 raise self._lost(neighbour, "its process ended")
 
-    def _reduce_everywhere(self, piece: torch.Tensor, op: str) -> None:
+    def _reduce_everywhere(self, memory: PeerMemory, piece: torch.Tensor, reduce) -> None:
         """One phase: publish my piece, then reduce all of them in local-rank order myself."""
         buffer = self._next_buffer()
         numel, dtype = piece.numel(), piece.dtype
-        self.own.view(buffer, dtype, numel).copy_(piece)
-        self._publish_and_wait()
-        piece.copy_(self.segments[0].view(buffer, dtype, numel))
-        for segment in self.segments[1:]:
-            kernels.reduce_(piece, segment.view(buffer, dtype, numel), op)
+        memory.view(self.index, buffer, dtype, numel).copy_(piece)
+        self._publish_and_wait(memory)
+        piece.copy_(memory.view(0, buffer, dtype, numel))
+        for index in range(1, self.size):
+            reduce(piece, memory.view(index, buffer, dtype, numel))
 
-    def _reduce_scatter_allgather(self, piece: torch.Tensor, op: str,
+    def _reduce_scatter_allgather(self, memory: PeerMemory, piece: torch.Tensor, reduce,
                                   across_hosts: Callable[[torch.Tensor], None] | None) -> None:
         """Two phases: each rank reduces its part in place, publishes it, then all copy all parts.
 
@@ -322,24 +403,57 @@ class HostGroup:
         """
         buffer = self._next_buffer()
         numel, dtype = piece.numel(), piece.dtype
-        mine = self.own.view(buffer, dtype, numel)
+        mine = memory.view(self.index, buffer, dtype, numel)
         parts = chunk_bounds(numel, self.size)
         start, end = parts[self.index]
         mine[:start].copy_(piece[:start])  # the parts the neighbours reduce
         mine[end:].copy_(piece[end:])
-        self._publish_and_wait()
+        self._publish_and_wait(memory)
         reduced = piece[start:end]
-        for index, segment in enumerate(self.segments):
-            if index != self.index:
-                kernels.reduce_(reduced, segment.view(buffer, dtype, numel)[start:end], op)
+        for index in self._others:
+            reduce(reduced, memory.view(index, buffer, dtype, numel)[start:end])
         if across_hosts is not None:
             across_hosts(reduced)  # the neighbours wait in the next phase meanwhile
         mine[start:end].copy_(reduced)
-        self._publish_and_wait()
-        for index, (part_start, part_end) in enumerate(parts):
-            if index != self.index:
-                piece[part_start:part_end].copy_(
-                    self.segments[index].view(buffer, dtype, numel)[part_start:part_end])
+        self._publish_and_wait(memory)
+        for index in self._others:
+            part_start, part_end = parts[index]
+            piece[part_start:part_end].copy_(
+                memory.view(index, buffer, dtype, numel)[part_start:part_end])
+
+    def _memory_of(self, tensor: torch.Tensor) -> PeerMemory:
+        if self._gpu_memory is not None and tensor.device == self._gpu_memory.device:
+            return self._gpu_memory
+        if not tensor.is_cpu:
+            raise RuntimeError(f"no peer-mapped memory on {tensor.device}: stage through the host")
+        return self.memory
+
+    def _map_gpu_memory(self, device: torch.device) -> CudaIpcMemory | None:
+        own_pointer, handle, problem = 0, b"", None
+        try:
+            own_pointer, handle = CudaIpcMemory.export(device)
+        except (RuntimeError, OSError) as exc:
+            problem = f"rank {self.world.rank}: {exc}"
+        offers = [pickle.loads(m) for m in self.exchange(pickle.dumps((handle, problem)))]
+        problems = [problem for _, problem in offers if problem]
+        memory = None
+        if not problems:
+            try:
+                memory = CudaIpcMemory.open(device, self.index, own_pointer,
+                                            [handle for handle, _ in offers])
+            except (RuntimeError, OSError) as exc:
+                problem = f"rank {self.world.rank}: {exc}"
+            problems = [p for p in map(pickle.loads, self.exchange(pickle.dumps(problem))) if p]
+        if not problems:
+            return memory
+        if memory is not None:
+            memory.close()
+        elif own_pointer:
+            CudaIpcMemory(device, [], own_pointer, []).close()
+        if self.index == 0:
+            print(f"ddl_magic note: GPU tensors on this host are staged through host memory, "
+                  f"not exchanged through CUDA IPC: {problems[0]}", file=sys.stderr, flush=True)
+        return None
 
     def _pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         per_round = BUFFER_BYTES // buffer.element_size()
@@ -352,23 +466,30 @@ class HostGroup:
 
     # ---- synchronisation -------------------------------------------------------------------
 
-    def _publish_and_wait(self, ring_late_neighbours: bool = False) -> None:
-        """End a phase: tell the neighbours, then wait until each has ended it too."""
+    def _publish_and_wait(self, memory: PeerMemory, ring_late_neighbours: bool = False) -> None:
+        """End a phase: tell the neighbours, then wait until each has ended it too. (The
+        `memory` the phase moved data through is fenced first: see `peer_memory.py`.)"""
+        memory.fence()
         target = self.own.publish()
-        late = [n for n in self.neighbours if n.segment.progress < target]
-        if ring_late_neighbours:
-            for neighbour in late:
-                neighbour.segment.ring()
         deadline = time.monotonic() + self.op_timeout
-        for neighbour in late:
-            self._wait_for(neighbour, target, deadline)
+        for neighbour in self.neighbours:
+            if neighbour.segment.progress < target:
+                self._wait_for(neighbour, target, deadline, ring_late_neighbours)
 
-    def _wait_for(self, neighbour: Neighbour, target: int, deadline: float) -> None:
+    def _wait_for(self, neighbour: Neighbour, target: int, deadline: float, ring: bool) -> None:
+        """Spin, then (`ring`: after ringing its doorbell) sleep until `neighbour` reaches `target`.
+
+        The doorbell is rung only once the spin is over: in a training loop the neighbour's
+        own thread is on its way, and a ring would wake its background thread for nothing,
+        to take the GIL from the thread that is about to join.
+        """
         segment = neighbour.segment
         spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             if segment.progress >= target:
                 return
+        if ring:
+            segment.ring()
         while True:
             seen = segment.progress
             if seen >= target:
@@ -387,6 +508,8 @@ class HostGroup:
                              self.world.peers[neighbour.rank].host, what)
 
     def close(self) -> None:
+        if self._gpu_memory is not None:
+            self._gpu_memory.close()
         for neighbour in self.neighbours:
             neighbour.segment.close()
             os.close(neighbour.pidfd)

@@ -127,9 +127,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
         queue = context.current(f"torch.distributed.{api}").queue
         name = self._name(kind)
-        shape = tuple(tensor.shape) if tensor is not None else ()
-        dtype = tensor.dtype if tensor is not None else torch.uint8
-        handle = queue.submit(Request(name, kind, dtype, shape, **fields), tensor, output,
+        handle = queue.submit(Request.of(name, kind, tensor, **fields), tensor, output,
                               on_done=finish, fused=True)
         self._in_flight[name] = handle
         return handle

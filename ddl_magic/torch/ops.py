@@ -158,10 +158,10 @@ def synchronize(handle: Handle | GroupHandle) -> torch.Tensor | list[torch.Tenso
 def _submit(api: str, kind: str, tensor: torch.Tensor | None, output: torch.Tensor | None,
             name: str | None, wait_follows: bool = False, **fields) -> Handle:
     queue = active_runtime(api).queue
-    shape = tuple(tensor.shape) if tensor is not None else ()
-    dtype = tensor.dtype if tensor is not None else torch.uint8
+    if name is not None:  # the common case skips the context manager, which costs more than a submit
+        return queue.submit(Request.of(name, kind, tensor, **fields), tensor, output, wait_follows)
     with _op_name(kind, name) as op_name:
-        return queue.submit(Request(op_name, kind, dtype, shape, **fields), tensor, output,
+        return queue.submit(Request.of(op_name, kind, tensor, **fields), tensor, output,
                             wait_follows)
 
 
