@@ -167,14 +167,18 @@ class SharedMemoryOpQueue(OpQueue):
     def _until_cycle_due(self) -> float:
         """Seconds until the background thread should run a cycle for unannounced work: a
         cycle time after the last submission, and at most `_MAX_WINDOWS` cycle times after the
-        first (a steady trickle of submissions must not hold everything back)."""
+        first (a steady trickle of submissions, with computation between them, must not hold
+        everything back) once the submitting thread pauses for a tenth of a cycle time. A
+        burst submitted back to back is not cut: a cycle in the middle would take the GIL
+        from it, and its ranks would announce different parts of it."""
         with self._lock:
             first, last, fused = self._first_unannounced, self._last_unannounced, self._fused_queued
         if first is None:
             return SLEEP_SLICE_S
         if fused:
             return 0.0
-        due = min(last + self._cycle_time_s, first + _MAX_WINDOWS * self._cycle_time_s)
+        trickle_due = max(first + _MAX_WINDOWS * self._cycle_time_s, last + self._cycle_time_s / 10)
+        due = min(last + self._cycle_time_s, trickle_due)
         return max(0.0, due - time.monotonic())
 
     def _cycle(self) -> None:

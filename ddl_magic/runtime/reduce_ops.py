@@ -16,8 +16,11 @@ class ReduceOp(enum.IntEnum):
     @property
     def kernel_name(self) -> str:
         """The elementwise reduction the ring applies (Average sums, then scales by 1/size)."""
-        return {ReduceOp.AVERAGE: "sum", ReduceOp.SUM: "sum", ReduceOp.MIN: "min",
-                ReduceOp.MAX: "max", ReduceOp.PRODUCT: "product"}[self]
+        return _KERNEL_NAMES[self]
+
+
+_KERNEL_NAMES = {ReduceOp.AVERAGE: "sum", ReduceOp.SUM: "sum", ReduceOp.MIN: "min",
+                 ReduceOp.MAX: "max", ReduceOp.PRODUCT: "product"}
 
 
 def as_reduce_op(op: "int | ReduceOp | None", average: "bool | None" = None) -> ReduceOp:

@@ -211,6 +211,7 @@ class HostGroup:
         self._gpu_memory: CudaIpcMemory | None = None
         self._gpu_mapped = False  # whether the ranks have tried to map GPU buffers yet
         self._others = [index for index in range(len(ranks)) if index != self.index]
+        self._reducers: dict[tuple, Callable[[torch.Tensor, torch.Tensor], None]] = {}
         self.op_timeout = op_timeout
         self.spin_s = SPIN_S if len(ranks) <= len(os.sched_getaffinity(0)) else 0.0
         self._round = 0
@@ -231,7 +232,7 @@ class HostGroup:
         reduction to it (which reduces it with the same part on the other hosts, in place)
         before the parts are gathered, so the result is reduced over every rank of the run.
         """
-        memory, reduce = self._memory_of(buffer), kernels.reducer(op, buffer)
+        memory, reduce = self._memory_of(buffer), self._reducer(op, buffer)
         for piece in self._pieces(buffer):
             if across_hosts is None and piece.numel() * piece.element_size() <= SMALL_BYTES:
                 self._reduce_everywhere(memory, piece, reduce)
@@ -242,7 +243,7 @@ class HostGroup:
         """Reduce `buffer` over the host's ranks so that local rank i's part,
         `buffer[parts[i][0]:parts[i][1]]`, holds the reduction on local rank i (the rest of
         each rank's buffer is left as it was)."""
-        memory, reduce = self._memory_of(buffer), kernels.reducer(op, buffer)
+        memory, reduce = self._memory_of(buffer), self._reducer(op, buffer)
         own_start, own_end = parts[self.index]
         per_round = BUFFER_BYTES // buffer.element_size()
         for piece_start in range(0, buffer.numel(), per_round):
@@ -335,7 +336,7 @@ class HostGroup:
         buffer, self._attached_to = self._attached_to, None
         if buffer is None:
             raise RuntimeError("allreduce_attached: the last exchange carried no attached data")
-        numel, dtype, reduce = out.numel(), out.dtype, kernels.reducer(op, out)
+        numel, dtype, reduce = out.numel(), out.dtype, self._reducer(op, out)
         attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
                     for index in range(self.size)]
         if numel * dtype.itemsize <= SMALL_BYTES:
@@ -420,6 +421,14 @@ class HostGroup:
             part_start, part_end = parts[index]
             piece[part_start:part_end].copy_(
                 memory.view(index, buffer, dtype, numel)[part_start:part_end])
+
+    def _reducer(self, op: str, like: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """`kernels.reducer`, kept per op, dtype and device: a step reduces alike every time."""
+        key = (op, like.dtype, like.device)
+        reduce = self._reducers.get(key)
+        if reduce is None:
+            reduce = self._reducers[key] = kernels.reducer(op, like)
+        return reduce
 
     def _memory_of(self, tensor: torch.Tensor) -> PeerMemory:
         if self._gpu_memory is not None and tensor.device == self._gpu_memory.device:
