@@ -118,7 +118,7 @@ class CollectiveRunner:
         (`payload(dtype, numel)` views it)."""
         request = entries[0].request
         area = payload(request.dtype, nbytes // request.dtype.itemsize)
-        with _TimelineLabels(entries, nbytes).span("pack"):
+        with _span(entries, nbytes, "pack"):
             if len(entries) == 1 and request.prescale == 1.0:  # one torch call, not a pack's five
                 tensor = entries[0].tensor
                 area.copy_(tensor if tensor.dim() == 1 else tensor.view(-1))
@@ -136,19 +136,19 @@ class CollectiveRunner:
             if entry.output is None:
                 entry.output = torch.empty_like(entry.tensor)
         numel = sum(e.tensor.numel() for e in entries)
-        labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
+        nbytes = numel * request.dtype.itemsize
         output = entries[0].output
         alone = len(entries) == 1 and _is_host_contiguous(output)
         if alone:  # reduced straight into its output
             reduced = output if output.dim() == 1 else output.view(-1)
         else:
             reduced = self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
-        with labels.span("shared_memory", op="allreduce", size=self.transport.world.size):
+        with _span(entries, nbytes, "shared_memory", op="allreduce", size=self.transport.world.size):
             self._shared_memory.allreduce_attached(reduced, op.kernel_name)
         if alone:
             _scale(reduced, postscale)
             return
-        with labels.span("unpack"):
+        with _span(entries, nbytes, "unpack"):
             outputs = [e.output for e in entries]
             staged = [_on(o, reduced.device) for o in outputs]
             kernels.unpack(reduced, staged, postscale)
@@ -345,6 +345,14 @@ class CollectiveRunner:
             scratch = torch.empty(max(1, SEGMENT_BYTES // dtype.itemsize), dtype=dtype)
             self._scratch[dtype] = scratch
         return scratch
+
+
+def _span(entries: list[Entry], nbytes: int, lane: str, **args):
+    """`_TimelineLabels(entries, nbytes).span(lane, **args)`, with nothing built while the
+    timeline is off (a small step pays for every object)."""
+    if not recorder.enabled:
+        return recorder.span(lane, "")
+    return _TimelineLabels(entries, nbytes).span(lane, **args)
 
 
 class _TimelineLabels:

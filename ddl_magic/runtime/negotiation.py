@@ -60,12 +60,16 @@ class Request(NamedTuple):
     device: str = "cpu"  # where the tensor lives: "cpu" or "cuda" (GPU memory moves otherwise)
 
     @classmethod
-    def of(cls, name: str, kind: str, tensor: torch.Tensor | None, **fields) -> "Request":
-        """The request for a collective of `tensor` (None for a barrier or a join)."""
+    def of(cls, name: str, kind: str, tensor: torch.Tensor | None, op: int = 0, root: int = 0,
+           prescale: float = 1.0, postscale: float = 1.0, splits: tuple[int, ...] = ()) -> "Request":
+        """The request for a collective of `tensor` (None for a barrier or a join).
+
+        (Built from positional arguments: a named tuple takes keywords at twice the cost.)
+        """
         if tensor is None:
-            return cls(name, kind, torch.uint8, (), **fields)
-        return cls(name, kind, tensor.dtype, tuple(tensor.shape), **fields,
-                   device="cpu" if tensor.is_cpu else tensor.device.type)
+            return cls(name, kind, torch.uint8, (), op, root, prescale, postscale, splits)
+        return cls(name, kind, tensor.dtype, tuple(tensor.shape), op, root, prescale, postscale,
+                   splits, "cpu" if tensor.is_cpu else tensor.device.type)
 
     @property
     def nbytes(self) -> int:
