@@ -100,24 +100,34 @@ def default_iterations(nbytes: int) -> int:
 # ---- what each rank runs -------------------------------------------------------------------
 
 def sweep(allreduce, barrier, rank: int, np: int, sizes: list[int],
-          iterations: dict[int, int]) -> dict[int, dict]:
+          iterations: dict[int, int], device: str = "cpu") -> dict[int, dict]:
     """Per size: check that `allreduce` sums correctly, then time it in place on zeros.
 
     Zeros keep the values constant however many times they are summed (ones would double
-    until they overflow).
+    until they overflow). With `device` "cuda" the tensors live on the rank's GPU (ranks
+    share GPUs round robin), and each timed call ends with the GPU's work done.
     """
+    place = torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else None
+    if place is not None:
+        torch.cuda.set_device(place)
+        inner = allreduce
+
+        def allreduce(tensor, nbytes):
+            inner(tensor, nbytes)
+            torch.cuda.synchronize(place)
+
     results = {}
     for nbytes in sizes:
-        check_sum(allreduce, rank, np, nbytes)
-        step = functools.partial(allreduce, torch.zeros(nbytes // 4), nbytes)
+        check_sum(allreduce, rank, np, nbytes, place)
+        step = functools.partial(allreduce, torch.zeros(nbytes // 4, device=place), nbytes)
         times = time_iterations(step, barrier, iterations[nbytes],
                                 warmup=max(3, iterations[nbytes] // 10))
         results[nbytes] = summarize(times)
     return results
 
 
-def check_sum(allreduce, rank: int, np: int, nbytes: int) -> None:
-    tensor = torch.full((nbytes // 4,), float(rank + 1))
+def check_sum(allreduce, rank: int, np: int, nbytes: int, device=None) -> None:
+    tensor = torch.full((nbytes // 4,), float(rank + 1), device=device)
     allreduce(tensor, nbytes)
     expected = np * (np + 1) / 2
     if not bool((tensor == expected).all()):
@@ -125,7 +135,8 @@ def check_sum(allreduce, rank: int, np: int, nbytes: int) -> None:
                              f"{tensor.unique()[:5].tolist()}, expected {expected}")
 
 
-def ours_sweep(sizes: list[int], iterations: dict[int, int], transport: str) -> dict[int, dict]:
+def ours_sweep(sizes: list[int], iterations: dict[int, int], transport: str,
+               device: str = "cpu") -> dict[int, dict]:
     import ddl_magic.torch as hvd
 
     init_rank_using(transport)
@@ -134,12 +145,12 @@ def ours_sweep(sizes: list[int], iterations: dict[int, int], transport: str) -> 
         # A fixed name per size, as a training loop's gradients have: the request cache hits.
         hvd.allreduce_(tensor, op=hvd.Sum, name=f"bench.{nbytes}")
 
-    return sweep(allreduce, hvd.barrier, hvd.rank(), hvd.size(), sizes, iterations)
+    return sweep(allreduce, hvd.barrier, hvd.rank(), hvd.size(), sizes, iterations, device)
 
 
-def gloo_sweep(sizes: list[int], iterations: dict[int, int]) -> dict[int, dict]:
+def gloo_sweep(sizes: list[int], iterations: dict[int, int], device: str = "cpu") -> dict[int, dict]:
     return sweep(lambda tensor, nbytes: dist.all_reduce(tensor), dist.barrier, dist.get_rank(),
-                 dist.get_world_size(), sizes, iterations)
+                 dist.get_world_size(), sizes, iterations, device)
 
 
 def ours_small_tensors(count: int, nbytes: int, rounds: int, transport: str) -> dict:
@@ -248,8 +259,8 @@ def print_memory(when: str, measured: dict[str, dict]) -> None:
 # ---- the driver ---------------------------------------------------------------------------
 
 def compare_allreduce(np: int, sizes: list[int], iterations: dict[int, int],
-                      repeats: int) -> list[dict]:
-    kwargs = dict(sizes=sizes, iterations=iterations)
+                      repeats: int, device: str) -> list[dict]:
+    kwargs = dict(sizes=sizes, iterations=iterations, device=device)
     runs = dict(zip(SIDES, interleaved(
         repeats,
         lambda: slowest_per_size(run_gloo(gloo_sweep, np, **kwargs)),
@@ -359,7 +370,7 @@ def main() -> None:
     print_memory("at the start", memory["start"])
     rows = []
     for np in args.np:
-        rows += compare_allreduce(np, args.sizes, args.iterations, args.repeats)
+        rows += compare_allreduce(np, args.sizes, args.iterations, args.repeats, args.device)
     small = compare_small_tensors(args.small_rounds, args.repeats)
     memory["end"] = measure_memory(args.memory_copies)
     print_memory("at the end", memory["end"])
@@ -374,6 +385,7 @@ def main() -> None:
     path = write_results("allreduce", {
         "settings": {"sizes": args.sizes, "np": args.np, "iterations": args.iterations,
                      "repeats": args.repeats, "quick": args.quick, "torch_threads_per_rank": 1,
+                     "device": args.device,
                      "dtype": "float32", "op": "sum", "bandwidth_unit": "GB/s = 1e9 bytes/s",
                      "sides": {"gloo": "torch.distributed, gloo backend",
                                "ours_tcp": "ddl_magic with DDL_MAGIC_TRANSPORT=tcp",
@@ -403,6 +415,10 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int,
                         help="runs of each side, interleaved; the least disturbed is reported "
                              "(default 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the swept tensors live (default cpu; cuda: on one host ours "
+                             "moves them through GPU memory mapped between the ranks, gloo "
+                             "through host memory); the 1000 x 1 KiB round stays on the CPU")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: np 2, sizes {' '.join(QUICK_SIZES)}, one repeat, a fifth "
                              "of the iterations")

@@ -118,12 +118,14 @@ class CollectiveRunner:
         (`payload(dtype, numel)` views it)."""
         request = entries[0].request
         area = payload(request.dtype, nbytes // request.dtype.itemsize)
+        if len(entries) == 1 and request.prescale == 1.0:
+            # One torch call, not a pack's five; part of the exchange, as a copy into a
+            # segment is (no event of its own: a step's events cost while recording).
+            tensor = entries[0].tensor
+            area.copy_(tensor if tensor.dim() == 1 else tensor.view(-1))
+            return
         with _span(entries, nbytes, "pack"):
-            if len(entries) == 1 and request.prescale == 1.0:  # one torch call, not a pack's five
-                tensor = entries[0].tensor
-                area.copy_(tensor if tensor.dim() == 1 else tensor.view(-1))
-            else:
-                kernels.pack([e.tensor for e in entries], area, request.prescale)
+            kernels.pack([e.tensor for e in entries], area, request.prescale)
 
     def run_attached(self, entries: list[Entry]) -> None:
         """Run the allreduce of `entries`, whose data every rank attached to the last
