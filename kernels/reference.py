@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from .casting import compute_dtype, scaling_commutes_with_cast
 
@@ -28,7 +29,8 @@ _REDUCE_OPS = {
 
 
 def pack(tensors: Sequence[torch.Tensor], packed: torch.Tensor, prescale: float) -> None:
-    flat = [t.view(-1) for t in tensors]
+    # (A view per tensor costs more than copying a small one: 1-D tensors go as they are.)
+    flat = [t if t.dim() == 1 else t.view(-1) for t in tensors]
     if prescale == 1.0:
         torch.cat(flat, out=packed)
     elif scaling_commutes_with_cast(flat[0].dtype, packed.dtype):
@@ -41,22 +43,22 @@ def pack(tensors: Sequence[torch.Tensor], packed: torch.Tensor, prescale: float)
 
 
 def unpack(packed: torch.Tensor, tensors: Sequence[torch.Tensor], postscale: float) -> None:
-    flat = [t.view(-1) for t in tensors]
-    sizes = [t.numel() for t in flat]
-    compute = compute_dtype(packed.dtype, flat[0].dtype)
+    # torch's own views of the buffer shaped like the tensors (DDP's unflatten), made in C++:
+    # no Python per tensor, which for a thousand small ones is most of the time.
+    compute = compute_dtype(packed.dtype, tensors[0].dtype)
     if postscale == 1.0:
-        torch._foreach_copy_(flat, torch.split(packed, sizes))
-    elif flat[0].dtype == compute:
+        torch._foreach_copy_(tensors, _unflatten_dense_tensors(packed, tensors))
+    elif tensors[0].dtype == compute:
         # An exact widening (or none): scale the tensors in place afterwards.
         # Not for float16/bfloat16 tensors: _foreach_mul_ rounds the scale
         # itself to their dtype.
-        torch._foreach_copy_(flat, torch.split(packed, sizes))
-        torch._foreach_mul_(flat, postscale)
+        torch._foreach_copy_(tensors, _unflatten_dense_tensors(packed, tensors))
+        torch._foreach_mul_(tensors, postscale)
     else:
         # Scale the whole buffer once, into a copy; copying that into integer
         # tensors then rounds toward zero.
         scaled = packed.to(compute, copy=True).mul_(postscale)
-        torch._foreach_copy_(flat, torch.split(scaled, sizes))
+        torch._foreach_copy_(tensors, _unflatten_dense_tensors(scaled, tensors))
 
 
 def reduce_(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:

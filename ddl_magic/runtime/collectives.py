@@ -150,11 +150,8 @@ class CollectiveRunner:
         if alone:
             _scale(reduced, postscale)
             return
-        with _span(entries, nbytes, "unpack"):
-            outputs = [e.output for e in entries]
-            staged = [_on(o, reduced.device) for o in outputs]
-            kernels.unpack(reduced, staged, postscale)
-            _copy_back(outputs, staged)
+        with _span(entries, nbytes, "unpack"):  # host outputs, as the tensors are
+            kernels.unpack(reduced, [e.output for e in entries], postscale)
 
     # ---- the collectives ----------------------------------------------------------------
 
