@@ -96,8 +96,8 @@ class CollectiveRunner:
 
     def attachable(self, entries: list[Entry]) -> int:
         """The bytes of the one fused allreduce that `entries` would make, if it can ride on
-        a negotiation round: host tensors, every rank on this host, fitting the payload area.
-        0 if not."""
+        a negotiation round: host tensors (and outputs), every rank on this host, fitting the
+        payload area. 0 if not."""
         if self._shared_memory is None or not entries:
             return 0
         first = entries[0].request
@@ -107,7 +107,8 @@ class CollectiveRunner:
             request = entry.request
             if (request.kind, request.dtype, request.op, request.prescale,
                     request.postscale) != key or not entry.tensor.is_cpu \
-                    or not entry.tensor.is_contiguous():
+                    or not entry.tensor.is_contiguous() \
+                    or (entry.output is not None and not entry.output.is_cpu):
                 return 0
             total += entry.tensor.numel()
         total *= first.dtype.itemsize

@@ -46,7 +46,7 @@ from .collectives import CollectiveRunner
 from .errors import HorovodInternalError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
-from .shared_memory import MESSAGE_BYTES, SLEEP_SLICE_S, HostGroup
+from .shared_memory import MESSAGE_ROOM, SLEEP_SLICE_S, HostGroup
 
 _MAX_WINDOWS = 10
 
@@ -200,7 +200,7 @@ class SharedMemoryOpQueue(OpQueue):
                     [self._cache.encode(e.request) for e in carried]
             mine = pickle.dumps((announced, closing, offer), protocol=pickle.HIGHEST_PROTOCOL)
             attach = None
-            if offer is not None and len(mine) <= MESSAGE_BYTES - 8:
+            if offer is not None and len(mine) <= MESSAGE_ROOM:
                 def attach(area):
                     self._runner.attach(carried, area, nbytes)
             elif offer is not None:  # no room after the message: say so, attach nothing

@@ -91,8 +91,12 @@ SMALL_BYTES = 128 << 10
 """Pieces up to this size are reduced by every rank over all buffers: one wait instead of two."""
 MESSAGE_BYTES = 64 << 10
 """A round's first bytes carry a negotiation message; data attached to it follows them."""
+Payload = Callable[[torch.dtype, int], torch.Tensor]
+"""`payload(dtype, numel)`: a view of this rank's payload area in the round being written."""
 SPIN_S = 100e-6
 _LENGTH = struct.Struct("<q")  # an exchanged message starts with its length
+MESSAGE_ROOM = MESSAGE_BYTES - _LENGTH.size
+"""The longest message that leaves room to attach data after it."""
 SLEEP_SLICE_S = 0.05
 
 
@@ -288,7 +292,7 @@ class HostGroup:
                 piece.copy_(memory.view(root_index, round_buffer, piece.dtype, piece.numel()))
 
     def exchange(self, message: bytes,
-                 attach: Callable[[torch.Tensor], None] | None = None) -> list[bytes]:
+                 attach: Callable[[Payload], None] | None = None) -> list[bytes]:
         """Every local rank's `message`, in local-rank order: one round (more if one is huge).
 
         `attach(payload)` fills this rank's payload area before the round is published (the
@@ -296,7 +300,7 @@ class HostGroup:
         with a message that fits before it: see `allreduce_attached`. Neighbours that have not
         started this round yet have their doorbells rung, so an idle one joins at once.
         """
-        if attach is not None and len(message) > MESSAGE_BYTES - _LENGTH.size:
+        if attach is not None and len(message) > MESSAGE_ROOM:
             raise ValueError(f"a message of {len(message)} bytes leaves no room to attach data")
         capacity = BUFFER_BYTES - _LENGTH.size
         received = [bytearray() for _ in self.ranks]
