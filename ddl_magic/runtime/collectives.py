@@ -169,10 +169,17 @@ class CollectiveRunner:
             return
         gpu = self._gpu_memory(entries)
         if gpu is not None:
-            device = gpu.device
-        else:
-            devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
-            device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+            with torch.cuda.device(gpu.device):  # Triton launches on the thread's current GPU
+                self._allreduce_fused(entries, op, postscale, gpu.device, gpu)
+            return
+        devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
+        self._allreduce_fused(entries, op, postscale,
+                              devices.pop() if len(devices) == 1 else torch.device("cpu"), None)
+
+    def _allreduce_fused(self, entries: list[Entry], op: ReduceOp, postscale: float,
+                         device: torch.device, gpu) -> None:
+        """Pack the entries where `device` is, allreduce the fusion buffer, unpack."""
+        request = entries[0].request
         numel = sum(e.tensor.numel() for e in entries)
         labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
         # Pack where the tensors live (on a GPU: one Triton launch for all of them), ...

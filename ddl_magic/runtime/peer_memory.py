@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from .. import kernels
+
 BUFFER_BYTES = 8 << 20
 """Bytes per data buffer: a larger collective runs as several rounds, alternating buffers."""
 
@@ -86,7 +88,15 @@ class CudaIpcMemory:
 
     @staticmethod
     def export(device: torch.device) -> tuple[int, bytes]:
-        """Allocate this rank's buffers on `device`: their address and IPC handle."""
+        """Allocate this rank's buffers on `device`: their address and IPC handle.
+
+        Refused without the Triton kernels: a neighbour's buffers may live on another GPU of
+        the host, which a Triton kernel reads directly (peer access, one address space) and
+        torch's own ops do not.
+        """
+        if kernels.backend_for(torch.empty(0, device=device)) != "triton":
+            raise RuntimeError("reducing in GPU memory needs the Triton kernels "
+                               "(pip install 'ddl_magic[gpu]'; DDL_MAGIC_KERNELS not 'torch')")
         runtime = cuda_runtime()
         with torch.cuda.device(device):
             pointer = ctypes.c_void_p()
@@ -94,7 +104,7 @@ class CudaIpcMemory:
             handle = _IpcHandle()
             runtime.check(runtime.lib.cudaIpcGetMemHandle(ctypes.byref(handle), pointer),
                           "cudaIpcGetMemHandle")
-        return pointer.value, bytes(handle.reserved)
+        return pointer.value, bytes(handle)  # all 64 bytes (a c_char field would stop at a zero)
 
     @classmethod
     def open(cls, device: torch.device, own_index: int, own_pointer: int,
@@ -113,7 +123,7 @@ class CudaIpcMemory:
                             _LAZY_ENABLE_PEER_ACCESS), "cudaIpcOpenMemHandle")
                         pointer = mapped.value
                         opened.append(pointer)
-                    regions.append(_wrap(pointer, 2 * BUFFER_BYTES, device))
+                    regions.append(_wrap(pointer, 2 * BUFFER_BYTES))
             except BaseException:
                 cls(device, [], own_pointer, opened).close()
                 raise
@@ -151,6 +161,13 @@ class _CudaRuntime:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        pointer, size = ctypes.c_void_p, ctypes.c_size_t  # without argtypes ctypes passes C ints
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(pointer), size]
+        lib.cudaFree.argtypes = [pointer]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), pointer]
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(pointer), _IpcHandle, ctypes.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [pointer]
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
 
     def check(self, status: int, call: str) -> None:
@@ -185,5 +202,7 @@ class _DeviceArray:
                                          "data": (pointer, False), "version": 3}
 
 
-def _wrap(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(_DeviceArray(pointer, nbytes), device=device)
+def _wrap(pointer: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over device memory at `pointer`, on the GPU that memory belongs to
+    (asking for another device would copy it, and the neighbours would never see a write)."""
+    return torch.as_tensor(_DeviceArray(pointer, nbytes))
