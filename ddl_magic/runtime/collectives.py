@@ -132,12 +132,7 @@ class CollectiveRunner:
         """Run the allreduce of `entries`, whose data every rank attached to the last
         negotiation round, and write the results into their outputs."""
         request = entries[0].request
-        op = _REDUCE_OPS[request.op]
-        postscale = request.postscale / self.transport.world.size if op is ReduceOp.AVERAGE \
-            else request.postscale
-        for entry in entries:
-            if entry.output is None:
-                entry.output = torch.empty_like(entry.tensor)
+        op, postscale = self._prepare_allreduce(entries)
         numel = sum(e.tensor.numel() for e in entries)
         nbytes = numel * request.dtype.itemsize
         output = entries[0].output
@@ -156,29 +151,35 @@ class CollectiveRunner:
 
     # ---- the collectives ----------------------------------------------------------------
 
-    def _allreduce(self, entries: list[Entry]) -> None:
-        request = entries[0].request
+    def _prepare_allreduce(self, entries: list[Entry]) -> tuple[ReduceOp, float]:
+        """Give out-of-place entries their outputs (made here, off the user's thread); the
+        op and the postscale to apply."""
         for entry in entries:
-            if entry.output is None:  # out-of-place: the output is made here, off the user's thread
+            if entry.output is None:
                 entry.output = torch.empty_like(entry.tensor)
+        request = entries[0].request
         op = _REDUCE_OPS[request.op]
-        size = self.transport.world.size
-        postscale = request.postscale / size if op is ReduceOp.AVERAGE else request.postscale
+        return op, _postscale(request, op, self.transport.world.size)
+
+    def _allreduce(self, entries: list[Entry]) -> None:
+        op, postscale = self._prepare_allreduce(entries)
         if len(entries) == 1 and _is_host_contiguous(entries[0].output):
             self._allreduce_in_place(entries, op, postscale)
             return
         gpu = self._gpu_memory(entries)
         if gpu is not None:
             with torch.cuda.device(gpu.device):  # Triton launches on the thread's current GPU
-                self._allreduce_fused(entries, op, postscale, gpu.device, gpu)
+                self._allreduce_fused(entries, op, postscale, gpu.device, peer_mapped=True)
             return
         devices = {e.tensor.device for e in entries} | {e.output.device for e in entries}
         self._allreduce_fused(entries, op, postscale,
-                              devices.pop() if len(devices) == 1 else torch.device("cpu"), None)
+                              devices.pop() if len(devices) == 1 else torch.device("cpu"),
+                              peer_mapped=False)
 
     def _allreduce_fused(self, entries: list[Entry], op: ReduceOp, postscale: float,
-                         device: torch.device, gpu) -> None:
-        """Pack the entries where `device` is, allreduce the fusion buffer, unpack."""
+                         device: torch.device, peer_mapped: bool) -> None:
+        """Pack the entries where `device` is, allreduce the fusion buffer (`peer_mapped`: a
+        GPU buffer the host group's GPU memory carries), unpack."""
         request = entries[0].request
         numel = sum(e.tensor.numel() for e in entries)
         labels = _TimelineLabels(entries, numel * request.dtype.itemsize)
@@ -188,7 +189,7 @@ class CollectiveRunner:
             kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
         # ... reduce: GPU buffers of one host through their peer-mapped memory, on the GPU;
         # otherwise from host memory (pinned, for fast copies from and to a GPU), ...
-        wire = fused if device.type == "cpu" or gpu is not None else self._staged_on_host(fused)
+        wire = fused if device.type == "cpu" or peer_mapped else self._staged_on_host(fused)
         self._ring_allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
@@ -268,7 +269,7 @@ class CollectiveRunner:
                                 self._scratch_for(buffer.dtype), observer)
         own_start, own_end = parts[rank]
         mine = buffer[own_start:own_end]
-        _scale(mine, request.postscale / size if op is ReduceOp.AVERAGE else request.postscale)
+        _scale(mine, _postscale(request, op, size))
         if in_place:
             target = entry.tensor.view(-1)[own_start:own_end]
             if target.data_ptr() != mine.data_ptr():  # a GPU tensor: its rows from the host
@@ -403,6 +404,11 @@ class _TimelineObserver(RingObserver):
                          "bytes": received.numel() * received.element_size(), "from": self.left})
 
 
+
+
+def _postscale(request: Request, op: ReduceOp, size: int) -> float:
+    """The factor a reduction's result is scaled by: Average is a Sum divided by the ranks."""
+    return request.postscale / size if op is ReduceOp.AVERAGE else request.postscale
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:

@@ -37,6 +37,7 @@ refuses further work and names it, instead of waiting for a partner that will no
 
 from __future__ import annotations
 
+import functools
 import pickle
 import sys
 import threading
@@ -201,8 +202,7 @@ class SharedMemoryOpQueue(OpQueue):
             mine = pickle.dumps((announced, closing, offer), protocol=pickle.HIGHEST_PROTOCOL)
             attach = None
             if offer is not None and len(mine) <= MESSAGE_ROOM:
-                def attach(area):
-                    self._runner.attach(carried, area, nbytes)
+                attach = functools.partial(self._runner.attach, carried, nbytes=nbytes)
             elif offer is not None:  # no room after the message: say so, attach nothing
                 mine = pickle.dumps((announced, closing, None), protocol=pickle.HIGHEST_PROTOCOL)
             everyone = [pickle.loads(message) for message in self._group.exchange(mine, attach)]
