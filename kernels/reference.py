@@ -1,7 +1,7 @@
 """The torch-ops backend: the CPU hot path and the oracle for the Triton kernels.
 
 Each function makes a handful of whole-buffer torch calls and no per-element
-Python: pack is one ``torch.cat``, unpack one ``torch._foreach_copy_``. A
+Python: pack is one ``torch.cat``, unpack one ``torch.split_with_sizes_copy``. A
 scale factor costs one more pass over the buffer, plus a temporary only where
 the rule in :mod:`.casting` says scaling must happen before a lossy cast.
 Inputs (the tensors given to pack, the buffer given to unpack) are never
@@ -43,22 +43,27 @@ def pack(tensors: Sequence[torch.Tensor], packed: torch.Tensor, prescale: float)
 
 
 def unpack(packed: torch.Tensor, tensors: Sequence[torch.Tensor], postscale: float) -> None:
-    # torch's own views of the buffer shaped like the tensors (DDP's unflatten), made in C++:
-    # no Python per tensor, which for a thousand small ones is most of the time.
     compute = compute_dtype(packed.dtype, tensors[0].dtype)
-    if postscale == 1.0:
-        torch._foreach_copy_(tensors, _unflatten_dense_tensors(packed, tensors))
-    elif tensors[0].dtype == compute:
-        # An exact widening (or none): scale the tensors in place afterwards.
-        # Not for float16/bfloat16 tensors: _foreach_mul_ rounds the scale
-        # itself to their dtype.
-        torch._foreach_copy_(tensors, _unflatten_dense_tensors(packed, tensors))
-        torch._foreach_mul_(tensors, postscale)
-    else:
+    if postscale != 1.0 and tensors[0].dtype != compute:
         # Scale the whole buffer once, into a copy; copying that into integer
         # tensors then rounds toward zero.
-        scaled = packed.to(compute, copy=True).mul_(postscale)
-        torch._foreach_copy_(tensors, _unflatten_dense_tensors(scaled, tensors))
+        packed, postscale = packed.to(compute, copy=True).mul_(postscale), 1.0
+    _copy_out(packed, tensors)
+    if postscale != 1.0:
+        # An exact widening (or none): scale the tensors in place. Not for
+        # float16/bfloat16 tensors: _foreach_mul_ rounds the scale itself to
+        # their dtype (casting.py sends those through the branch above).
+        torch._foreach_mul_(tensors, postscale)
+
+
+def _copy_out(packed: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``packed`` into ``tensors``, in one torch call and no
+    Python per tensor beyond a 1-D view (a thousand small tensors: most of the time)."""
+    if packed.dtype == tensors[0].dtype:
+        torch.split_with_sizes_copy(packed, [t.numel() for t in tensors],
+                                    out=[t if t.dim() == 1 else t.view(-1) for t in tensors])
+    else:  # a cast on the way: torch's views shaped like the tensors (DDP's unflatten)
+        torch._foreach_copy_(tensors, _unflatten_dense_tensors(packed, tensors))
 
 
 def reduce_(dst: torch.Tensor, src: torch.Tensor, op: str) -> None:
