@@ -404,8 +404,6 @@ class _TimelineObserver(RingObserver):
                          "bytes": received.numel() * received.element_size(), "from": self.left})
 
 
-
-
 def _postscale(request: Request, op: ReduceOp, size: int) -> float:
     """The factor a reduction's result is scaled by: Average is a Sum divided by the ranks."""
     return request.postscale / size if op is ReduceOp.AVERAGE else request.postscale

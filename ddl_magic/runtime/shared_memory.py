@@ -151,9 +151,6 @@ class Segment:
         self._doorbell.value += 1
         futex.wake_all(self.doorbell_address)
 
-    def view(self, buffer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
-        return self.buffers[buffer][offset:offset + numel * dtype.itemsize].view(dtype)
-
     # Messages (negotiation) go through the mapping directly: a few small tensor operations
     # would cost more than the whole exchange.
     def write_message(self, buffer: int, total_length: int, piece: bytes) -> None:
@@ -187,6 +184,14 @@ class Neighbour:
     rank: int
     segment: Segment
     pidfd: int
+
+
+def _reduce_in_rank_order(out: torch.Tensor, contributions: list[torch.Tensor], reduce) -> None:
+    """`out` = every local rank's contribution reduced in local-rank order: the same order,
+    so the same bits, on every rank that reduces them all."""
+    out.copy_(contributions[0])
+    for theirs in contributions[1:]:
+        reduce(out, theirs)
 
 
 def _ended(neighbour: Neighbour) -> bool:
@@ -344,9 +349,7 @@ class HostGroup:
         attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
                     for index in range(self.size)]
         if numel * dtype.itemsize <= SMALL_BYTES:
-            out.copy_(attached[0])
-            for theirs in attached[1:]:
-                reduce(out, theirs)
+            _reduce_in_rank_order(out, attached, reduce)
             return
         parts = chunk_bounds(numel, self.size)
         start, end = parts[self.index]
@@ -394,9 +397,8 @@ class HostGroup:
         numel, dtype = piece.numel(), piece.dtype
         memory.view(self.index, buffer, dtype, numel).copy_(piece)
         self._publish_and_wait(memory)
-        piece.copy_(memory.view(0, buffer, dtype, numel))
-        for index in range(1, self.size):
-            reduce(piece, memory.view(index, buffer, dtype, numel))
+        _reduce_in_rank_order(piece, [memory.view(index, buffer, dtype, numel)
+                                      for index in range(self.size)], reduce)
 
     def _reduce_scatter_allgather(self, memory: PeerMemory, piece: torch.Tensor, reduce,
                                   across_hosts: Callable[[torch.Tensor], None] | None) -> None:
