@@ -8,9 +8,11 @@ driver's main thread drains. A connection that fails the handshake is dropped wi
 disturbing the run.
 
 Whatever starts a rank on another machine (a Spark task) may also connect, with the purpose
-``"task"`` (`TaskRelay`): it forwards what the rank's process writes, line by line, and then
-says that the process ended, after all of its output. The driver so hears a rank's last
-words even when it was killed, and at once of a rank that died before it could register.
+``"task"`` (`TaskRelay`): it forwards what the rank's process writes, line by line, says
+every `liveness.report_interval_s` what state the process is in, and then says that the
+process ended, after all of its output. The driver so hears a rank's last words even when it
+was killed, at once of a rank that died before it could register, and of a host that
+stopped answering when those reports stop.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import threading
 import time
 
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
-                     RanksPlaced, RankStarted, TimelineBatch, TimelineStarted)
-from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Heartbeat, Output,
-                       Register, Start, TaskExited, TaskOutput, TaskStarted, TimelineEvents,
+                     RankProcessState, RanksPlaced, RankStarted, TimelineBatch, TimelineStarted)
+from .liveness import ProcessState
+from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register,
+                       Start, TaskAlive, TaskExited, TaskOutput, TaskStarted, TimelineEvents,
                        TimelineStart)
 from .protocol import AuthenticationError, Channel, PeerClosedError
 
 HANDSHAKE_TIMEOUT_S = 10.0
+_PROCESS_STATES = {state.value for state in ProcessState}
 
 
 class ControlServer:
@@ -51,7 +55,6 @@ class ControlServer:
         self._registrations: dict[int, tuple] = {}
         self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
-        self._heard_at: dict[int, float] = {}  # rank -> when it last said anything (monotonic)
         self._closed = False
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -152,21 +155,13 @@ class ControlServer:
         with self._lock:
             peers = [self._registrations[rank] for rank in range(self.np)]
             channels = dict(self._channels)
-            # From now on each rank's heartbeats say it is alive (before, it waited for the others).
-            self._heard_at = {rank: time.monotonic() for rank in channels}
         for rank, channel in channels.items():
             channel.send(Start(peers, self._task, self._settings, self._torch_master))
 
     def _relay(self, channel: Channel, rank: int) -> None:
         host = self._registrations[rank][1]
         while True:
-            message = channel.recv()
-            with self._lock:
-                if rank in self._heard_at:
-                    self._heard_at[rank] = time.monotonic()
-            match message:
-                case Heartbeat():
-                    pass
+            match channel.recv():
                 case Output(stream, lines):
                     for text, replace in lines:
                         self.events.put(RankOutput(rank, stream, text, replace))
@@ -198,6 +193,8 @@ class ControlServer:
                             executors, list) and len(executors) == self.np and all(
                             isinstance(executor, str) for executor in executors):
                         self.events.put(RanksPlaced(rank, executors))
+                    case TaskAlive(rank, state) if 0 <= rank < self.np and state in _PROCESS_STATES:
+                        self.events.put(RankProcessState(rank, state, periodic=True))
                     case TaskOutput(rank, stream, lines) if 0 <= rank < self.np:
                         for text, replace in lines:
                             self.events.put(RankOutput(rank, stream, text, replace))
@@ -209,17 +206,6 @@ class ControlServer:
         finally:
             with self._lock:
                 self._task_channels.discard(channel)
-
-    def silent_ranks(self, limit_s: float) -> list[int]:
-        """Running ranks that have said nothing, not even a heartbeat, for `limit_s`; each is
-        named once."""
-        now = time.monotonic()
-        with self._lock:
-            silent = [rank for rank, heard in self._heard_at.items()
-                      if now - heard > limit_s and rank not in self._finished and rank in self._channels]
-            for rank in silent:
-                del self._heard_at[rank]
-        return silent
 
     def _connection_ended(self, rank: int, timed_out: bool) -> None:
         with self._lock:
@@ -250,6 +236,11 @@ class TaskRelay:
         """The rank's process is starting; `executors`: where each rank of the stage runs."""
         with self._lock:
             self._channel.send(TaskStarted(self.rank, executors))
+
+    def alive(self, state: str) -> None:
+        """The task is there, and its rank's process is in `state` (a `ProcessState` value)."""
+        with self._lock:
+            self._channel.send(TaskAlive(self.rank, state))
 
     def output(self, stream: str, lines: list) -> None:
         with self._lock:

@@ -53,7 +53,7 @@ class FailureKind(enum.Enum):
     TASK_FAILED = "task failed"  # Spark reported its task (or the job) failing
     VANISHED = "vanished"  # its connection closed with no report, and no exit status came
     UNREACHABLE = "unreachable"  # its connection timed out: its host stopped answering
-    SILENT = "silent"  # no heartbeat for the peer timeout: its process is stopped or stuck
+    SILENT = "silent"  # its process has been stopped (SIGSTOP, a debugger) for the peer timeout
     RAISED = "raised"  # its code raised (or exited with a non-zero status)
     LOST_PEER = "lost a peer"  # it raised because another rank or host was lost: a consequence
 
@@ -98,6 +98,17 @@ class ProcessExited:
 
 
 @dataclass(frozen=True)
+class RankProcessState:
+    """What the owner of a rank's process (the rank factory, a Spark task) saw of it:
+    ``state`` is a `liveness.ProcessState` value; ``periodic`` says the owner reports at every
+    `liveness.report_interval_s`, so that its silence is a lost host."""
+
+    rank: int
+    state: str
+    periodic: bool = False
+
+
+@dataclass(frozen=True)
 class TimelineBatch:
     """Timeline events recorded on a rank, already on the driver's clock.
 
@@ -134,8 +145,8 @@ class HostUnanswered:
     at_ns: int  # when it was given up on, on the driver's monotonic clock
 
 
-Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited | TimelineBatch
-         | TimelineStarted | RanksPlaced | HostUnanswered)
+Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited
+         | RankProcessState | TimelineBatch | TimelineStarted | RanksPlaced | HostUnanswered)
 
 
 def describe_ranks(ranks: list[int]) -> str:

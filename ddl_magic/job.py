@@ -22,10 +22,11 @@ import cloudpickle
 
 from .control import ControlServer
 from .events import (ROOT_CAUSE_ORDER, FailureKind, HostUnanswered, ProcessExited, RankFailed,
-                     RankFinished, RankOutput, RanksPlaced, RankStarted, TimelineBatch,
-                     TimelineStarted, describe_ranks)
+                     RankFinished, RankOutput, RankProcessState, RanksPlaced, RankStarted,
+                     TimelineBatch, TimelineStarted, describe_ranks)
 from .host_probe import HostProbes
 from .launch.local import describe_exit
+from .liveness import LivenessWatch, ProcessState, Verdict
 from .rank_record import RankRecord, RankStatus, new_records
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
@@ -201,7 +202,7 @@ class _RunWatcher:
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
         self._aborted_at_ns: int | None = None
-        self._silence_limit_s = peer_timeout_s()  # each rank sends a heartbeat 4 times as often
+        self._liveness = LivenessWatch(peer_timeout_s())  # judged from the owners' reports
         self._stopping = False
         self._last_refresh = 0.0
 
@@ -229,13 +230,7 @@ class _RunWatcher:
                 self.handle(events.get(timeout=REFRESH_INTERVAL_S))
             except queue.Empty:
                 pass
-            for rank in server.silent_ranks(self._silence_limit_s):
-                self.handle(RankFailed(
-                    rank, self.record.ranks[rank].host, FailureKind.SILENT, "",
-                    f"stopped answering: not a word from it for {self._silence_limit_s:g} s "
-                    "(its process is stopped, by SIGSTOP or a debugger, or stuck in native code "
-                    "holding Python's GIL; or the network to its host is down)",
-                    at_ns=time.monotonic_ns()))
+            self._judge_liveness()
             if self._failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
                 self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
@@ -246,16 +241,37 @@ class _RunWatcher:
         self.record.status = "done"
         self._collect_results()
 
+    def _judge_liveness(self) -> None:
+        """Fail the ranks whose owners saw them stopped, or fell silent, for the peer timeout."""
+        timeout = self._liveness.peer_timeout_s
+        for rank, verdict in self._liveness.verdicts(time.monotonic()):
+            record = self.record.ranks[rank]
+            if record.ended:
+                continue
+            if verdict is Verdict.STOPPED:
+                self.handle(RankFailed(
+                    rank, record.host, FailureKind.SILENT, "",
+                    f"stopped: its process has been stopped for {timeout:g} s (by SIGSTOP, "
+                    "Ctrl-Z, or a debugger)", at_ns=time.monotonic_ns()))
+            else:
+                self.handle(RankFailed(
+                    rank, record.host, FailureKind.UNREACHABLE, "",
+                    f"{record.host or 'its host'} stopped answering: no word from the task "
+                    f"that runs it for {timeout:g} s", at_ns=time.monotonic_ns()))
+
     def _settled(self, since_first_failure: float) -> bool:
-        """Have the failures of this moment all come in, and the failed ranks' last words?"""
+        """Have the failures of this moment all come in, and the failed ranks' last words?
+        (None are coming from a host that stopped answering, or from a stopped process.)"""
         if since_first_failure < FAILURE_SETTLE_S:
             return False
         return (not self._exits_follow_output or since_first_failure >= LAST_WORDS_TIMEOUT_S
-                or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures))
+                or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures
+                       if f.kind not in (FailureKind.UNREACHABLE, FailureKind.SILENT)))
 
     def handle(self, event) -> None:
         record = self.record
         if isinstance(event, ProcessExited):
+            self._liveness.forget(event.rank)
             rank = record.ranks[event.rank]
             rank.exit_code = event.returncode
             if event.output:
@@ -271,6 +287,11 @@ class _RunWatcher:
                                        FailureKind.FAILED_TO_START, printed,
                                        describe_exit(event.returncode), event.returncode,
                                        time.monotonic_ns()))
+            return
+        if isinstance(event, RankProcessState):
+            if not record.ranks[event.rank].ended:
+                self._liveness.reported(event.rank, ProcessState(event.state), time.monotonic(),
+                                        event.periodic)
             return
         if isinstance(event, TimelineBatch):
             if self._trace is not None:
@@ -300,6 +321,7 @@ class _RunWatcher:
             if rank.status is RankStatus.STARTING:
                 self._output_before_start.setdefault(event.rank, []).append(event.text)
         elif isinstance(event, RankFinished):
+            self._liveness.forget(event.rank)
             rank.apply(event)
             self._results[event.rank] = event.result
         elif isinstance(event, RankFailed):

@@ -6,14 +6,14 @@ factory's own pipes.
 Who sends what:
 
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
-                         Finished, Failed, Heartbeat
+                         Finished, Failed
     driver ──► rank      ClockReading, Start, Abort
-    task ──► driver      TaskStarted, TaskOutput, TaskExited
+    task ──► driver      TaskStarted, TaskAlive, TaskOutput, TaskExited
                          (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
-    rank 0 ──► ranks     CycleToRun, Abort
+    rank 0 ──► ranks     CycleToRun, Abort, CollectiveTimedOut
     driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
-    factory ──► driver   RankForked, RankWrote, RankReaped     `launch/rank_factory.py`)
+    factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `launch/rank_factory.py`)
 
 A receiver matches on the class (`match message: case Output(stream, lines): ...`); anything
 else is a malformed message, which ends that connection without disturbing the run.
@@ -108,18 +108,21 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """The rank's process is alive and running Python: sent every quarter of the peer
-    timeout, from a thread of its own, whatever the rank's code is doing."""
-
-
-@dataclass(frozen=True, slots=True)
 class TaskStarted:
     """A task is starting its rank's process. `executors` is where the stage placed every
     rank: the address (``host:port``) of the executor that runs it, in rank order."""
 
     rank: int
     executors: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskAlive:
+    """The task is there, and the kernel says its rank's process is in `state` (a
+    `liveness.ProcessState` value): sent every `liveness.report_interval_s`."""
+
+    rank: int
+    state: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +168,13 @@ class CycleToRun:
     cycle: object  # negotiation.Cycle
 
 
+@dataclass(frozen=True, slots=True)
+class CollectiveTimedOut:
+    """A collective waited past `DDL_MAGIC_TIMEOUT` for ranks that never submitted it."""
+
+    reason: str
+
+
 # ---- the local rank factory (a pipe only the driver holds, `launch/rank_factory.py`) ----------
 
 
@@ -195,6 +205,15 @@ class RankWrote:
     pid: int
     stream: str
     lines: list[tuple[str, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """The kernel says the rank `pid` is now in `state` (a `liveness.ProcessState` value);
+    sent when it changes."""
+
+    pid: int
+    state: str
 
 
 @dataclass(frozen=True, slots=True)

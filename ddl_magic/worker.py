@@ -9,6 +9,10 @@
     run the task ──► send its result, or the traceback
     exit; and exit at once if the driver aborts the run or goes away
 
+Whether a rank is alive is not this process's to say: whatever owns it (the rank factory, a
+Spark task) tells the driver (`liveness.py`), so a rank busy in native code for minutes,
+holding its GIL, is not mistaken for a stopped one.
+
 A Spark task starts it as ``python -m ddl_magic.worker`` with ``DDL_MAGIC_CONTROL``
 (host:port) and ``DDL_MAGIC_RANK`` in the environment and the secret on the pipe
 ``DDL_MAGIC_SECRET_FD``; a local rank is forked by the rank factory, which calls `run_rank`
@@ -31,16 +35,17 @@ import traceback
 import cloudpickle
 
 from .events import FailureKind
-from .messages import (Abort, ClockProbe, Failed, Finished, Heartbeat, Output, Register, Start,
+from .messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
                        TimelineEvents)
 from .output_lines import LineSplitter
-from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError, peer_timeout_s
+from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
 from .runtime import context
-from .runtime.errors import HorovodInternalError
+from .runtime.errors import CollectiveTimeoutError, HorovodInternalError
 from .runtime.timeline import recorder
 from .runtime.world import Peer, derive_world
 from .torch import backend as torch_backend
+from .torch.group_lifetime import keep_destroyed_groups_alive
 
 CONNECT_TIMEOUT_S = 30.0
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
@@ -103,23 +108,21 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)
     torch_backend.register()
+    keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
-    threading.Thread(target=_beat, args=(channel,), name="ddl-heartbeat", daemon=True).start()
     if settings["timeline"]:
         start_timeline_shipping()
     if store_port is not None:
         store_port.close()
     with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
         exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
-        if exit_code == 0:
-            context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
     # A torch.distributed process group the task left open ends with this process, which
-    # exits right after reporting. Destroying it here could hang: torch's gloo group can
-    # deadlock on the GIL when destroyed while its threads release finished work
-    # (pytorch/pytorch#56297).
+    # exits right after reporting, without running any destructor.
     stop_timeline_shipping()
     _leaving.set()
-    channel.send(report)
+    channel.send(report)  # the task is done: nothing after this can fail or delay the run
+    if exit_code == 0:
+        context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
     channel.close()
     return exit_code
 
@@ -147,8 +150,11 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Fini
     except BaseException as exc:
         failed_at_ns = _driver_time_ns()
         text = _user_traceback(exc)
-        kind = FailureKind.LOST_PEER if isinstance(exc, HorovodInternalError) else FailureKind.RAISED
-        reason = kind.value if kind is FailureKind.LOST_PEER else "exception"
+        lost_a_peer = (isinstance(exc, HorovodInternalError)
+                       and not isinstance(exc, CollectiveTimeoutError))  # nobody was lost
+        kind = FailureKind.LOST_PEER if lost_a_peer else FailureKind.RAISED
+        reason = (kind.value if lost_a_peer else
+                  "collective timed out" if isinstance(exc, CollectiveTimeoutError) else "exception")
         return 1, Failed(kind, text, reason, 1, failed_at_ns, getattr(exc, "rank", None))
     if rank != 0 and not return_all:
         return 0, Finished(None)
@@ -200,16 +206,6 @@ def _obey_driver(channel: Channel) -> None:
         pass  # the driver went away
     if not _leaving.is_set():
         os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
-
-
-def _beat(channel: Channel) -> None:
-    """Tell the driver, every quarter of the peer timeout, that this process still runs."""
-    interval = peer_timeout_s() / 4
-    while not _leaving.wait(interval):
-        try:
-            channel.send(Heartbeat())
-        except OSError:
-            return  # the driver is gone: _obey_driver ends the rank
 
 
 def start_timeline_shipping() -> None:

@@ -18,16 +18,16 @@ import subprocess
 import sys
 import threading
 
-from ..events import ProcessExited, RankOutput
-from ..messages import ForkRank, RankForked, RankReaped, RankWrote
+from ..events import ProcessExited, RankOutput, RankProcessState
+from ..messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
 from .rank_factory import FrameReader, write_frame
 
 START_TIMEOUT_S = 60.0
 
 
 class _RankFactory:
-    """The parent's handle on the factory process: fork a rank, hear what it writes and when
-    it exits."""
+    """The parent's handle on the factory process: fork a rank, hear what it writes, whether
+    it is stopped, and when it exits."""
 
     def __init__(self):
         self._process = subprocess.Popen(
@@ -38,20 +38,23 @@ class _RankFactory:
         self._started: dict[int, queue.Queue] = {}
         self._exit_listeners: dict[int, callable] = {}
         self._output_listeners: dict[int, callable] = {}  # by request id until started, then by pid
+        self._state_listeners: dict[int, callable] = {}  # by request id until started, then by pid
         self._early_exits: dict[int, int] = {}  # exits heard before anyone listened for them
         threading.Thread(target=self._read_replies, name="ddl-rank-factory", daemon=True).start()
 
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def fork_rank(self, request: ForkRank, on_exit, on_output) -> int:
+    def fork_rank(self, request: ForkRank, on_exit, on_output, on_state) -> int:
         """Start one rank. From another thread, `on_output(stream, lines)` is called with what
-        it writes, then `on_exit(returncode)` once it has ended and all it wrote was read."""
+        it writes, `on_state(state)` when it stops or goes on (a `ProcessState` value), then
+        `on_exit(returncode)` once it has ended and all it wrote was read."""
         request_id = next(self._ids)
         reply: queue.Queue = queue.Queue()
         with self._lock:
             self._started[request_id] = reply
             self._output_listeners[("request", request_id)] = on_output
+            self._state_listeners[("request", request_id)] = on_state
             write_frame(self._process.stdin.fileno(), dataclasses.replace(request, id=request_id))
         try:
             pid = reply.get(timeout=START_TIMEOUT_S)
@@ -88,13 +91,19 @@ class _RankFactory:
                         case RankForked(request_id, pid):
                             on_output = self._output_listeners.pop(("request", request_id))
                             self._output_listeners[pid] = on_output
+                            self._state_listeners[pid] = self._state_listeners.pop(
+                                ("request", request_id))
                             self._started.pop(request_id).put(pid)
                         case RankWrote(pid, stream, lines):
                             # (also after its exit: a process the rank started lives on)
                             if (on_output := self._output_listeners.get(pid)) is not None:
                                 on_output(stream, lines)
+                        case RankState(pid, state):
+                            if (on_state := self._state_listeners.get(pid)) is not None:
+                                on_state(state)
                         case RankReaped(pid, returncode):
                             self._output_listeners.pop(pid, None)
+                            self._state_listeners.pop(pid, None)
                             on_exit = self._exit_listeners.pop(pid, None)
                             if on_exit is None:
                                 self._early_exits[pid] = returncode
@@ -166,9 +175,12 @@ class LocalLauncher:
                 for text, replace in lines:
                     events.put(RankOutput(rank, stream, text, replace))
 
+            def on_state(state: str, rank=rank) -> None:
+                events.put(RankProcessState(rank, state))
+
             pid = factory.fork_rank(
                 ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
-                on_exit, on_output)
+                on_exit, on_output, on_state)
             self._pids.append(pid)
             self._exited[pid] = exited
 
@@ -176,6 +188,7 @@ class LocalLauncher:
         """Terminate every rank's process group, kill what remains after `grace_s`."""
         for pid in self._pids:
             _signal_group(pid, signal.SIGTERM)
+            _signal_group(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once resumed
         for pid in self._pids:
             if not self._exited[pid].wait(grace_s):
                 _signal_group(pid, signal.SIGKILL)

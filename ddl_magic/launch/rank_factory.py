@@ -11,12 +11,17 @@ The factory talks to its parent over its stdin and stdout, which only that paren
     parent ── ForkRank ──► factory ── os.fork() ──► rank: setsid, cwd, sys.path,
     parent ◄── RankForked ──                          environment, run the worker
     parent ◄── RankWrote ── (what the rank wrote, line by line)
+    parent ◄── RankState ── (when the kernel's word on the rank changes: running, stopped)
     parent ◄── RankReaped ── (when the factory reaps a rank, after all it wrote)
 
 The factory owns each rank's output: a rank's stdout and stderr are pipes whose read ends
 only the factory holds, so whatever the rank wrote before it died (a segfault, the OOM
 killer, SIGKILL, `os._exit`) is read and sent on, and a rank's exit is reported only after
 everything it wrote, its last unfinished line included.
+
+The factory is also the judge of whether a rank is alive (`liveness.py`): it reads each
+rank's state from the kernel every `STATE_POLL_S` and reports changes, so a rank that holds
+its GIL in a long native call is seen running, and a stopped one stopped.
 
 The factory exits when its stdin closes, that is when its parent exits.
 """
@@ -30,13 +35,18 @@ import select
 import signal
 import struct
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..messages import ForkRank, RankForked, RankReaped, RankWrote
+from ..liveness import ProcessState, process_state
+from ..messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
 from ..output_lines import LineSplitter
 
 _LENGTH = struct.Struct("!Q")
+# How often the factory reads its ranks' states: a stop is reported this long after it at
+# most, well within the shortest peer timeout (2 s).
+STATE_POLL_S = 0.25
 
 
 def write_frame(fd: int, message: object) -> None:
@@ -95,17 +105,23 @@ def serve() -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     requests = FrameReader(0)
     streams: dict[int, _RankStream] = {}  # read end -> whose stream it is
+    states: dict[int, ProcessState] = {}  # pid -> what was last reported of each living rank
+    polled_at = 0.0
     while True:
         try:
-            readable, _, _ = select.select([0, child_exits_r, *streams], [], [])
+            readable, _, _ = select.select([0, child_exits_r, *streams], [], [],
+                                           STATE_POLL_S if states else None)
         except InterruptedError:
             continue
+        if time.monotonic() - polled_at >= STATE_POLL_S:
+            polled_at = time.monotonic()
+            _report_states(states)
         for fd in readable:
             if fd in streams:
                 _forward(streams, fd, until_empty=False)
         if child_exits_r in readable:
             os.read(child_exits_r, 4096)
-            _report_exits(streams)
+            _report_exits(streams, states)
         if 0 in readable:
             messages = requests.read()
             if messages is None:
@@ -121,6 +137,7 @@ def serve() -> None:
                     os.close(write_end)  # before the next fork: only this rank may hold it
                     os.set_blocking(read_end, False)
                     streams[read_end] = _RankStream(pid, stream)
+                states[pid] = ProcessState.RUNNING
                 write_frame(1, RankForked(request.id, pid))
 
 
@@ -144,7 +161,20 @@ def _forward(streams: dict[int, _RankStream], fd: int, until_empty: bool) -> Non
             return
 
 
-def _report_exits(streams: dict[int, _RankStream]) -> None:
+def _report_states(states: dict[int, ProcessState]) -> None:
+    """Tell the parent of every rank that stopped, or went on after a stop, since the last
+    report (whether it runs or sleeps is all one: alive)."""
+    for pid, reported in states.items():
+        state = process_state(pid)
+        if state.alive != reported.alive and state in (ProcessState.STOPPED, *_ALIVE):
+            states[pid] = state  # (an ended rank is reported once reaped)
+            write_frame(1, RankState(pid, state.value))
+
+
+_ALIVE = tuple(state for state in ProcessState if state.alive)
+
+
+def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -155,6 +185,7 @@ def _report_exits(streams: dict[int, _RankStream]) -> None:
         # Everything it wrote is in its pipes now (more only if a child of its own lives on).
         for fd in [fd for fd, rank_stream in streams.items() if rank_stream.pid == pid]:
             _forward(streams, fd, until_empty=True)
+        states.pop(pid, None)
         write_frame(1, RankReaped(pid, os.waitstatus_to_exitcode(status)))
 
 

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from pyspark import InheritableThread
 
 from ..events import FailureKind, ProcessExited, RankFailed, describe_ranks
+from ..liveness import report_interval_s
+from ..protocol import peer_timeout_s
 from . import spark_session
 
 # How many lines of a rank's own stdout/stderr (what it printed before it could report over
@@ -120,7 +122,8 @@ class SparkLauncher:
         self._job_tag = f"ddl_magic-{uuid.uuid4().hex[:12]}"
         self._stopping.clear()
         task = functools.partial(_by_value(_run_rank_task), control_address, secret,
-                                 OUTPUT_TAIL_LINES, self._data is not None)
+                                 OUTPUT_TAIL_LINES, report_interval_s(peer_timeout_s()),
+                                 self._data is not None)
         run_tasks = self._jobs.barrier_stage(np, task, self._data)
 
         def run_stage() -> None:
@@ -271,8 +274,13 @@ def _by_value(function: types.FunctionType) -> types.FunctionType:
                               function.__defaults__, function.__closure__)
 
 
-def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow, batches):
+def _run_rank_task(control_address, secret, tail_lines, report_interval, hand_over_rows,
+                   as_arrow, batches):
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
+
+    The task owns its rank's process: every `report_interval` seconds it tells the driver
+    what state the kernel says the process is in (`liveness.py`), from a thread that the
+    rank's own Python cannot starve.
 
     With `hand_over_rows`, the partition's rows are the rank's share of the data it trains
     on (`ddl_magic.shards`). Tells the driver how the rank's process ended (returncode None:
@@ -344,10 +352,22 @@ def _run_rank_task(control_address, secret, tail_lines, hand_over_rows, as_arrow
                           for pipe, stream in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
             for forwarder in forwarders:
                 forwarder.start()
+            from ddl_magic.liveness import process_state
+
+            def report_liveness():
+                while not process_ended.wait(report_interval):
+                    try:
+                        relay.alive(process_state(process.pid).value)
+                    except OSError:
+                        return  # the driver is gone: the rank learns it too, and ends
+
+            process_ended = threading.Event()
+            threading.Thread(target=report_liveness, daemon=True).start()
         if while_it_starts is not None:
             while_it_starts()
         if relay is not None:
             returncode = process.wait()
+            process_ended.set()
             for forwarder in forwarders:  # all it wrote, unless a child of its own lives on
                 forwarder.join(timeout=5)
             return returncode, ""

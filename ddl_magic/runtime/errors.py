@@ -20,6 +20,10 @@ class CollectiveMismatchError(HorovodInternalError):
     """Ranks asked for the same tensor name with different shapes, dtypes or operations."""
 
 
+class CollectiveTimeoutError(HorovodInternalError):
+    """A collective waited `DDL_MAGIC_TIMEOUT` for ranks that are alive but never submitted it."""
+
+
 class NotInitializedError(ValueError):
     """The API was used before `init()`."""
 

@@ -24,6 +24,11 @@ Rank 0 waits up to the cycle time after the first ready tensor so that more can 
 same fused buffer, except when some rank is already blocked waiting for a ready tensor: then
 waiting would only add latency.
 
+A name that some ranks submitted and others have not is reported as a stall after
+`stall_time_s` (Horovod's stall check), and once it has waited `timeout_s`
+(`DDL_MAGIC_TIMEOUT`) it has `expired`: the op queue then fails the collective on the ranks
+that wait for it, naming the ranks that never came (the stall report always comes first).
+
 The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone (`op_queue_tcp.py`); when
 every rank shares one host, every rank runs a replica of it, fed the same requests in the
 same order, and each takes its decisions itself (`op_queue_shm.py`).
@@ -141,7 +146,7 @@ class Coordinator:
     """Rank 0's bookkeeping: who submitted what, what is ready, and what to run next."""
 
     def __init__(self, run_ranks: tuple[int, ...], fusion_threshold: int, cycle_time_s: float,
-                 stall_time_s: float):
+                 stall_time_s: float, timeout_s: float = math.inf):
         self.size = len(run_ranks)
         # Ranks are counted 0..size-1 within the ring; messages name them by their rank in the
         # run (they differ in a process set's ring).
@@ -149,9 +154,12 @@ class Coordinator:
         self.fusion_threshold = fusion_threshold
         self.cycle_time_s = cycle_time_s
         self.stall_time_s = stall_time_s
+        self.timeout_s = timeout_s
         self._submitted: dict[str, dict[int, Request]] = {}
         # Names some ranks submitted and others not yet, oldest first, until warned about.
         self._waiting_since: dict[str, float] = {}
+        # The same, until they are ready (or expire): what `expired` judges.
+        self._partial_since: dict[str, float] = {}
         self._ready: dict[str, None] = {}  # names ready on every rank, in the order they became so
         self._ready_since: float | None = None
         self._waited: set[str] = set()
@@ -205,6 +213,7 @@ class Coordinator:
             by_rank[rank] = request
             if len(by_rank) == 1:
                 self._waiting_since[request.name] = now
+                self._partial_since[request.name] = now
             if request.kind == "join":
                 self._joined.append(rank)
                 for name in list(self._submitted):  # joined ranks may complete waiting names
@@ -221,6 +230,7 @@ class Coordinator:
                 return
         self._ready[name] = None
         self._waiting_since.pop(name, None)
+        self._partial_since.pop(name, None)
         if self._ready_since is None:
             self._ready_since = now
 
@@ -234,8 +244,16 @@ class Coordinator:
         if self._ready_since is not None:
             deadlines.append(self._ready_since + self.cycle_time_s)
         if self._waiting_since:
-            deadlines.append(next(iter(self._waiting_since.values())) + self.stall_time_s)
+            deadlines.append(next(iter(self._waiting_since.values())) + self._stall_after_s)
+        if self._partial_since:
+            deadlines.append(next(iter(self._partial_since.values())) + self.timeout_s)
         return min(deadlines) if deadlines else None
+
+    @property
+    def _stall_after_s(self) -> float:
+        """The stall report comes at the stall time, or at the timeout if that is sooner, so
+        that a collective never fails without its stall report before it."""
+        return min(self.stall_time_s, self.timeout_s)
 
     def take_cycle(self, now: float, flush: bool = False) -> Cycle | None:
         """The responses to run now, or None to keep collecting (cycle window still open).
@@ -285,14 +303,20 @@ class Coordinator:
         ]
         return cycle
 
-    def stall_warnings(self, now: float) -> list[str]:
-        """One warning per tensor that some ranks submitted and others have not, for too long."""
+    def stall_warnings(self, now: float, reporter: int | None = None) -> list[str]:
+        """One warning per tensor that some ranks submitted and others have not, for too long.
+
+        `reporter`: only the tensors whose lowest submitting rank (in the ring) is this one.
+        Replicas on every rank then warn once between them, each from a rank that waits.
+        """
         warnings = []
         for name, since in list(self._waiting_since.items()):
-            if now - since < self.stall_time_s:
+            if now - since < self._stall_after_s:
                 break  # oldest first: the rest are younger still
-            del self._waiting_since[name]
             have = sorted(self._submitted[name])
+            if reporter is not None and have[0] != reporter:
+                continue
+            del self._waiting_since[name]
             missing = sorted(set(range(self.size)) - set(have))
             warnings.append(
                 f"stall: tensor {name!r} was submitted by ranks {self._named(have)} "
@@ -302,6 +326,27 @@ class Coordinator:
                 f"rank skipped a step.{_unnamed_hint(name)}"
             )
         return warnings
+
+    def expired(self, now: float) -> dict[str, str]:
+        """The collectives that some ranks submitted and others never did, for `timeout_s`:
+        name -> why it failed. (A `join` waits for the other ranks' data to run out, however
+        long that takes: it never expires.)"""
+        expired = {}
+        for name, since in self._partial_since.items():
+            if now - since < self.timeout_s:
+                break  # oldest first: the rest are younger still
+            request = _any(self._submitted[name])
+            if request.kind == "join":
+                continue
+            have = sorted(self._submitted[name])
+            missing = sorted(set(range(self.size)) - set(have) - set(self._joined))
+            expired[name] = (
+                f"{request.kind} of tensor {name!r} timed out after {self.timeout_s:g} s "
+                f"(DDL_MAGIC_TIMEOUT): ranks {self._named(missing)} never submitted it, ranks "
+                f"{self._named(have)} did{self._instead(missing)}. The ranks that did not are "
+                "alive but elsewhere in their code: a different order of collectives, a "
+                f"skipped step, a long computation on one rank.{_unnamed_hint(name)}")
+        return expired
 
     def _instead(self, ranks: list[int]) -> str:
         """What `ranks` submitted that others have not, as " (rank 2 waits on 'b' instead)"."""

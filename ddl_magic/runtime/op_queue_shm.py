@@ -30,9 +30,11 @@ rounds. `_lock` (the base class's) guards what submitting threads share with it.
 
 Why every wait ends: inside a cycle a rank waits for neighbours that are alive and joining
 (their background thread is woken by the doorbell), bounded by the op timeout; an idle rank
-sleeps on its doorbell for at most a slice, then checks that its neighbours still exist. A
-rank that calls `shutdown()` runs one last cycle saying so, after which every rank's queue
-refuses further work and names it, instead of waiting for a partner that will not come.
+sleeps on its doorbell for at most a slice, then checks that its neighbours still exist and
+whether a collective it waits for has waited the op timeout for ranks that never submit it
+(`Coordinator.expired`: then its handles fail, after the stall report). A rank that calls
+`shutdown()` runs one last cycle saying so, after which every rank's queue refuses further
+work and names it, instead of waiting for a partner that will not come.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import threading
 import time
 
 from .collectives import CollectiveRunner
-from .errors import HorovodInternalError
+from .errors import CollectiveTimeoutError, HorovodInternalError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
 from .shared_memory import MESSAGE_ROOM, SLEEP_SLICE_S, HostGroup
@@ -62,7 +64,8 @@ class SharedMemoryOpQueue(OpQueue):
         self._cycle_time_s = cycle_time_s
         self._op_timeout = op_timeout
         self._progress = threading.Lock()
-        self._replica = Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s)
+        self._replica = Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s,
+                                    stall_time_s, op_timeout)
         # Under _lock: when the oldest and the newest unannounced submissions were queued.
         self._first_unannounced: float | None = None
         self._last_unannounced = 0.0
@@ -139,8 +142,9 @@ class SharedMemoryOpQueue(OpQueue):
                     except HorovodInternalError as exc:
                         self._fail(exc)  # under _progress, like every touch of _pending
                         return
-                    if self.world.rank == 0:
-                        self._warn_about_stalls()
+                    self._warn_about_stalls()
+                    if self._fail_expired():
+                        return
                 finally:
                     self._progress.release()
             self._idle(doorbell, timeout)
@@ -243,5 +247,17 @@ class SharedMemoryOpQueue(OpQueue):
             self._group.sleep_on_doorbell(doorbell, timeout)
 
     def _warn_about_stalls(self) -> None:
-        for warning in self._replica.stall_warnings(time.monotonic()):
+        """Report the stalls this rank is the first to wait on (every rank's replica knows
+        them all; this way each is reported once, by a rank whose thread is free to)."""
+        for warning in self._replica.stall_warnings(time.monotonic(), reporter=self.world.rank):
             print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
+
+    def _fail_expired(self) -> bool:
+        """Fail this rank's collectives if one has waited the op timeout for ranks that never
+        submitted it (the run then fails, naming them)."""
+        expired = self._replica.expired(time.monotonic())
+        mine = [reason for name, reason in expired.items() if name in self._pending]
+        if not mine:
+            return False
+        self._fail(CollectiveTimeoutError(mine[0]))
+        return True

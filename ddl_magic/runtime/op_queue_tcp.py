@@ -6,6 +6,12 @@ handles as it goes. Rank 0's background thread additionally runs the `Coordinato
 
 The thread sleeps in `select` on its sockets and a wake-up socket, so it costs nothing
 while idle and reacts immediately when a request arrives.
+
+A collective that some ranks submit and others never do fails after the op timeout
+(`DDL_MAGIC_TIMEOUT`): rank 0's coordinator reports the stall, then tells every rank why
+(`CollectiveTimedOut`) and fails its own queue. A rank whose oldest collective got no word
+from rank 0 for longer than that (rank 0 stuck in native code, unable to coordinate) fails
+it by itself.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ import socket
 import sys
 import time
 
-from ..messages import Abort, Bye, CycleToRun, Submit
+from ..messages import Abort, Bye, CollectiveTimedOut, CycleToRun, Submit
 from ..protocol import PeerClosedError
 from .collectives import CollectiveRunner
-from .errors import HorovodInternalError, PeerLostError
+from .errors import CollectiveTimeoutError, HorovodInternalError, PeerLostError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
 from .transport import RingTransport
@@ -34,7 +40,8 @@ class TcpOpQueue(OpQueue):
         self._woken = False
         self._wake_receiver, self._wake_sender = socket.socketpair()
         self._coordinator = (
-            Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s)
+            Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s,
+                        transport.op_timeout)
             if self.world.rank == 0 else None
         )
         self._thread.start()
@@ -88,7 +95,14 @@ class TcpOpQueue(OpQueue):
         """Ranks other than 0: forward requests to rank 0, run the cycles it sends back."""
         channel = self.transport.coordination[0]
         while True:
-            readable, _, _ = select.select([self._wake_receiver, channel.sock], [], [])
+            readable, _, _ = select.select([self._wake_receiver, channel.sock], [], [],
+                                           self._until_coordinator_overdue())
+            if not readable:
+                raise CollectiveTimeoutError(
+                    f"rank {self.world.run_ranks[0]}, which coordinates collectives, has not "
+                    f"answered for {self._coordinator_deadline_s:g} s about the collectives "
+                    f"this rank waits for ({', '.join(map(repr, self._pending))}): it is alive "
+                    "but has not run Python code for that long (a native call holding its GIL)")
             if self._wake_receiver in readable:
                 entries, waited, closing = self._take_incoming()
                 if entries or waited:
@@ -101,9 +115,24 @@ class TcpOpQueue(OpQueue):
                 match self._recv(channel, 0):
                     case Abort(reason):
                         raise HorovodInternalError(reason)
+                    case CollectiveTimedOut(reason):
+                        raise CollectiveTimeoutError(reason)
                     case CycleToRun(cycle):
                         self._cache.update(cycle.cache_updates)
                         self._execute(cycle)
+
+    @property
+    def _coordinator_deadline_s(self) -> float:
+        # Later than rank 0's own judgement (the op timeout), which names the absent ranks.
+        return self.transport.op_timeout * 1.2 + 2.0
+
+    def _until_coordinator_overdue(self) -> float | None:
+        """Seconds until rank 0 is overdue with an answer to this rank's oldest collective."""
+        if not self._pending:
+            return None
+        oldest_ns = min(entry.submitted_ns for entry in self._pending.values())
+        waited_s = (time.monotonic_ns() - oldest_ns) / 1e9
+        return max(0.0, self._coordinator_deadline_s - waited_s)
 
     def _send_to_rank_0(self, channel, message) -> None:
         try:
@@ -163,6 +192,11 @@ class TcpOpQueue(OpQueue):
                         coordinator.note_waited(waited)
             for warning in coordinator.stall_warnings(now):
                 print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
+            if expired := coordinator.expired(now):
+                reason = next(iter(expired.values()))
+                for channel in followers.values():
+                    channel.send(CollectiveTimedOut(reason))
+                raise CollectiveTimeoutError(reason)
             cycle = coordinator.take_cycle(now)
             if cycle is not None:
                 for channel in followers.values():

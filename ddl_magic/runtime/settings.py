@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 TRANSPORT_VARIABLE = "DDL_MAGIC_TRANSPORT"
 TRANSPORT_CHOICES = ("auto", "tcp", "shm")
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def transport_choice(value: str | None = None) -> str:
@@ -55,7 +56,11 @@ class Settings:
             fusion_threshold=int(number(("HOROVOD_FUSION_THRESHOLD",), 128 * 1024 * 1024)),
             cycle_time_s=number(("HOROVOD_CYCLE_TIME",), 1.0) / 1000.0,
             stall_time_s=number(("HOROVOD_STALL_CHECK_TIME_SECONDS",), 60.0),
-            timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"), 30.0),
+            # Long enough for one rank's evaluation or checkpoint while the others wait in
+            # the next collective (torch's own default is 30 minutes); the stall report
+            # (60 s) says what is going on long before.
+            timeout_s=number(("DDL_MAGIC_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+                             DEFAULT_TIMEOUT_S),
             transport=transport_choice(),
             hierarchical=os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
             not in ("0", "false", "no", "off"),

@@ -1,0 +1,138 @@
+"""Is a rank alive? Asked of whatever owns its process, never of the rank itself.
+
+A thread inside the rank cannot tell "busy" from "stopped": a rank that spends a minute in
+one native call holding Python's GIL (`torch.save` of a large checkpoint, a C extension, a
+gloo destructor) starves every Python thread it has, a heartbeat thread included. So the
+owner of the rank's process reports on it instead, from a process of its own:
+
+- the local rank factory, the parent of every local rank, reads each rank's state from the
+  kernel (`process_state`) and reports it to the driver over its pipe (`RankState`);
+- a Spark task, the parent of its rank's process, does the same over its relay connection
+  (`TaskAlive`), every `report_interval_s(...)`. Those reports also say that the task's host
+  is still there: when they stop, the host (or the link to it) is gone.
+
+`LivenessWatch` turns the reports into verdicts, with the clock passed in:
+
+    running, sleeping, in a disk wait      alive, however long (busy is alive)
+    stopped (SIGSTOP, a debugger)          failed once seen stopped for the peer timeout
+    reports stop coming (Spark)            its host stopped answering, after the peer timeout
+    gone, a zombie                         not judged here: the process's exit is reported
+
+What this deliberately does not judge: a rank alive but stuck for ever in a native call.
+That is the collective timeout's job (`DDL_MAGIC_TIMEOUT`) for the ranks waiting on it, and
+the stall report names it first.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ProcessState(enum.Enum):
+    """What the kernel says a process is doing (the state letter of ``/proc/PID/stat``)."""
+
+    RUNNING = "running"
+    SLEEPING = "sleeping"  # also waiting in a native call: a lock, a socket, a futex
+    DISK_WAIT = "disk wait"
+    STOPPED = "stopped"  # SIGSTOP, SIGTSTP, or stopped by a debugger (traced)
+    ZOMBIE = "zombie"  # ended, not yet reaped by its parent
+    GONE = "gone"
+
+    @property
+    def alive(self) -> bool:
+        return self in (ProcessState.RUNNING, ProcessState.SLEEPING, ProcessState.DISK_WAIT)
+
+
+_STATE_LETTERS = {"R": ProcessState.RUNNING, "S": ProcessState.SLEEPING,
+                  "D": ProcessState.DISK_WAIT, "I": ProcessState.SLEEPING,
+                  "T": ProcessState.STOPPED, "t": ProcessState.STOPPED,
+                  "Z": ProcessState.ZOMBIE, "X": ProcessState.GONE, "x": ProcessState.GONE}
+
+
+def process_state(pid: int) -> ProcessState:
+    """The state of process `pid`, read from the kernel without disturbing it.
+
+    Where there is no ``/proc`` (not Linux) a process that exists counts as running: only its
+    exit is seen there, not a stop.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ProcessState.GONE
+    except OSError:
+        return ProcessState.RUNNING
+    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses itself.
+    letter = text[text.rfind(")") + 2:][:1]
+    return _STATE_LETTERS.get(letter, ProcessState.RUNNING)
+
+
+def report_interval_s(peer_timeout_s: float) -> float:
+    """How often an owner reports on its rank: eight times per peer timeout, so that a stop
+    or a silence is judged within the timeout, not a report interval after it."""
+    return peer_timeout_s / 8
+
+
+class Verdict(enum.Enum):
+    STOPPED = "stopped"  # the process has been stopped for the peer timeout
+    OWNER_SILENT = "owner silent"  # no report from its owner for the peer timeout: host or link gone
+
+
+@dataclass
+class _Rank:
+    state: ProcessState
+    heard_at: float
+    stopped_since: float | None = None
+    reports_periodically: bool = False
+
+
+@dataclass
+class LivenessWatch:
+    """The driver's judgement of every rank's liveness, from its owner's reports.
+
+    >>> watch = LivenessWatch(peer_timeout_s=10.0)
+    >>> watch.reported(0, ProcessState.STOPPED, now=100.0)
+    >>> watch.verdicts(now=105.0)
+    []
+    >>> watch.verdicts(now=108.8)
+    [(0, <Verdict.STOPPED: 'stopped'>)]
+    """
+
+    peer_timeout_s: float
+    _ranks: dict[int, _Rank] = field(default_factory=dict)
+
+    @property
+    def _limit_s(self) -> float:
+        # A stop or a silence began up to one report interval before the report that shows it.
+        return self.peer_timeout_s - report_interval_s(self.peer_timeout_s)
+
+    def reported(self, rank: int, state: ProcessState, now: float,
+                 periodic: bool = False) -> None:
+        """The owner of `rank`'s process says it is in `state`. `periodic`: this owner reports
+        every `report_interval_s`, so its silence means something (a Spark task's host)."""
+        seen = self._ranks.get(rank)
+        if seen is None:
+            seen = self._ranks[rank] = _Rank(state, now)
+        seen.state, seen.heard_at = state, now
+        seen.reports_periodically |= periodic
+        if state is ProcessState.STOPPED:
+            seen.stopped_since = seen.stopped_since if seen.stopped_since is not None else now
+        else:
+            seen.stopped_since = None
+
+    def forget(self, rank: int) -> None:
+        """The rank has ended (or finished): nothing more to judge."""
+        self._ranks.pop(rank, None)
+
+    def verdicts(self, now: float) -> list[tuple[int, Verdict]]:
+        """The ranks that are failed by now, each named once."""
+        failed = []
+        for rank, seen in self._ranks.items():
+            if seen.reports_periodically and now - seen.heard_at >= self._limit_s:
+                failed.append((rank, Verdict.OWNER_SILENT))
+            elif seen.stopped_since is not None and now - seen.stopped_since >= self._limit_s:
+                failed.append((rank, Verdict.STOPPED))
+        for rank, _ in failed:
+            del self._ranks[rank]
+        return failed
