@@ -21,8 +21,9 @@ TESTS = Path(__file__).resolve().parent
 SELECTION = [
     "tests/test_attribution.py", "tests/test_ddlrun.py", "tests/test_peer_loss.py",
     "tests/test_shared_memory.py", "tests/test_timeline_in_runs.py",
-    "tests/test_torch_distributed.py",
-    "-k", "kill or killed or lost or segfault or last_words or ctrl_c or raising or fails or stops",
+    "tests/test_torch_distributed.py", "tests/test_fail_fast.py",
+    "-k", "kill or killed or lost or segfault or last_words or ctrl_c or raising or fails or stops"
+          " or never_joins or gloo or gil",
 ]
 
 

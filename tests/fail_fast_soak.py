@@ -1,0 +1,356 @@
+"""Healthy runs must never fail, failing ones must be named in time: a soak, beside busy processes.
+
+    .venv/bin/python tests/fail_fast_soak.py                  # 200 runs, 4 busy processes
+    .venv/bin/python tests/fail_fast_soak.py --runs 20 --short
+
+Each run is a real `ddlrun -np 2` of one workload, in turn: healthy ones (DDP over gloo and
+over `ddl`, FSDP, Horovod's API with `DistributedOptimizer`, a rank holding its GIL in
+native code for longer than the peer timeout, a `torch.save` of a 200 MB state dict, the
+Iris `TorchEstimator` on Spark `local[4]`) and one in ten a true failure (a rank SIGKILLed,
+SIGSTOPped, raising, or absent from a collective). A healthy run passes when it exits 0; a
+failing one when ddlrun names the right rank, for the right reason, within its deadline,
+counted from the moment the rank printed that it is about to fail. `--short` (CI's version)
+holds the GIL for 8 s against a 3 s peer timeout instead of 30 s against 10 s.
+
+Prints a line per run and a table, writes ``benchmarks/results/fail_fast_soak.json``, and
+exits 1 on any false or late failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAILURE_LINE = "==== rank "  # ddlrun's "==== rank 1 (host) failed: reason ===="
+
+PRELUDE = """
+import os, signal, sys, threading, time
+import torch
+torch.manual_seed(0)
+"""
+
+HEALTHY = {
+    "ddp over gloo": """
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo")
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                                    torch.nn.Linear(64, 2)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(20):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.randn(32, 20)), torch.randint(0, 2, (32,))).backward()
+    opt.step()
+dist.destroy_process_group()
+""",
+    "ddp over ddl": """
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("ddl")
+model = DistributedDataParallel(torch.nn.Linear(20, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(20):
+    opt.zero_grad()
+    model(torch.randn(32, 20)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+""",
+    "fsdp": """
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
+dist.init_process_group("gloo")
+model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                                     torch.nn.Linear(64, 2)),
+                                 device_id=torch.device("cpu"), use_orig_params=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(10):
+    opt.zero_grad()
+    model(torch.randn(32, 20)).sum().backward()
+    opt.step()
+dist.destroy_process_group()
+""",
+    "hvd DistributedOptimizer": """
+import ddl_magic.torch as hvd
+hvd.init()
+model = torch.nn.Linear(20, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+for _ in range(20):
+    opt.zero_grad()
+    model(torch.randn(32, 20)).sum().backward()
+    opt.step()
+""",
+    "GIL held in native code": """
+import ctypes
+import ddl_magic.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1), name="before")
+if hvd.rank() == 1:
+    ctypes.PyDLL(None).sleep(int(os.environ["SOAK_GIL_SECONDS"]))  # libc sleep, GIL held
+assert hvd.allreduce(torch.ones(1), name="after").item() == 1.0
+""",
+    "torch.save 200 MB": """
+import tempfile
+import ddl_magic.torch as hvd
+hvd.init()
+state = {f"layer{i}": torch.randn(1024, 1024) for i in range(50)}  # 50 x 4 MiB
+with tempfile.TemporaryDirectory() as folder:
+    torch.save(state, os.path.join(folder, "state.pt"))
+hvd.allreduce(torch.ones(1), name="saved")
+""",
+}
+
+# The estimator runs in the soak's own process (a notebook's SparkSession), not under ddlrun.
+ESTIMATOR = "Iris TorchEstimator on local[4]"
+
+# kind -> (the rank's code, the rank that fails, the reason ddlrun must give, deadline in s)
+FAILING = {
+    "SIGKILL": ("""
+import ddl_magic.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1))
+if hvd.rank() == 1:
+    print("FAILING AT", time.time(), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+hvd.allreduce(torch.ones(1))
+""", 1, "killed by SIGKILL", 5.0),
+    "SIGSTOP": ("""
+import ddl_magic.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1))
+if hvd.rank() == 1:
+    print("FAILING AT", time.time(), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+hvd.allreduce(torch.ones(1))
+""", 1, "stopped: its process has been stopped", None),  # deadline: the peer timeout, + slack
+    "raises": ("""
+import ddl_magic.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1))
+if hvd.rank() == 0:
+    print("FAILING AT", time.time(), flush=True)
+    raise ValueError("rank 0 is unhappy")
+hvd.allreduce(torch.ones(1))
+""", 0, "exception", 5.0),
+    "absent from a collective": ("""
+import ddl_magic.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    print("FAILING AT", time.time(), flush=True)
+    hvd.allreduce(torch.ones(1), name="lonely")
+else:
+    threading.Event().wait(300)
+""", 0, "collective timed out", None),  # deadline: DDL_MAGIC_TIMEOUT, + slack
+}
+SLACK_S = 2.0  # past a deadline: the driver's settle time and this script's own wake-up
+
+
+@dataclass
+class Outcome:
+    workload: str
+    expected_failure: bool
+    ok: bool
+    seconds: float
+    named_after_s: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Soak:
+    peer_timeout_s: float
+    gil_seconds: int
+    collective_timeout_s: float = 5.0
+    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ddl_soak-")))
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "DDL_MAGIC_PEER_TIMEOUT": str(self.peer_timeout_s),
+                "DDL_MAGIC_DISPLAY": "text", "SOAK_GIL_SECONDS": str(self.gil_seconds),
+                "PYTHONPATH": str(ROOT)}
+
+    def ddlrun(self, name: str, code: str, env: list[str] = ()) -> tuple[int, list, float]:
+        """Run `code` on 2 ranks; (exit code, [(arrival time, line)], seconds)."""
+        script = self.folder / (name.replace(" ", "_").replace(".", "") + ".py")
+        script.write_text(PRELUDE + code)
+        command = [sys.executable, "-m", "ddl_magic.run", "-np", "2"]
+        for pair in env:
+            command += ["--env", pair]
+        started = time.monotonic()
+        process = subprocess.Popen([*command, "python", str(script)], cwd=self.folder,
+                                   env=self.environment(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        lines = []
+        timer = threading.Timer(300, process.kill)  # no run of this soak may hang it
+        timer.start()
+        try:
+            for line in process.stdout:
+                lines.append((time.time(), line.rstrip("\n")))
+            code = process.wait()
+        finally:
+            timer.cancel()
+        return code, lines, time.monotonic() - started
+
+    def healthy(self, name: str) -> Outcome:
+        code, lines, seconds = self.ddlrun(name, HEALTHY[name])
+        tail = "\n".join(text for _, text in lines[-15:])
+        return Outcome(name, False, code == 0, seconds, detail="" if code == 0 else tail)
+
+    def failing(self, kind: str) -> Outcome:
+        code, rank, reason, deadline = FAILING[kind]
+        if deadline is None:
+            deadline = self.peer_timeout_s if kind == "SIGSTOP" else self.collective_timeout_s
+        exit_code, lines, seconds = self.ddlrun(kind, code,
+                                                [f"DDL_MAGIC_TIMEOUT={self.collective_timeout_s:g}"])
+        failing_at = next((float(text.split("FAILING AT ")[1]) for _, text in lines
+                           if "FAILING AT " in text), None)
+        named = next(((at, text) for at, text in lines
+                      if text.startswith(FAILURE_LINE) and " failed: " in text), None)
+        outcome = Outcome(kind, True, False, seconds)
+        if exit_code == 0 or failing_at is None or named is None:
+            outcome.detail = "\n".join(text for _, text in lines[-15:])
+            return outcome
+        outcome.named_after_s = named[0] - failing_at
+        right = named[1].startswith(f"{FAILURE_LINE}{rank} ") and f"failed: {reason}" in named[1]
+        outcome.ok = right and outcome.named_after_s <= deadline + SLACK_S
+        if not outcome.ok:
+            outcome.detail = f"{named[1]} after {outcome.named_after_s:.2f} s (deadline {deadline:g} s)"
+        return outcome
+
+    def estimator(self, spark) -> Outcome:
+        from pyspark.ml import Pipeline
+        from pyspark.ml.feature import VectorAssembler
+
+        from ddl_magic.datasets import IRIS_FEATURES, load_iris
+        from ddl_magic.estimator import TorchEstimator
+
+        started = time.monotonic()
+        try:
+            import torch
+
+            iris = spark.createDataFrame(load_iris().drop(columns=["species"]))
+            net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+            estimator = TorchEstimator(
+                model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.02),
+                loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"],
+                label_cols=["label"], batch_size=16, epochs=5, num_proc=2, verbose=0)
+            Pipeline(stages=[VectorAssembler(inputCols=list(IRIS_FEATURES), outputCol="features"),
+                             estimator]).fit(iris)
+        except Exception as exc:
+            return Outcome(ESTIMATOR, False, False, time.monotonic() - started, detail=repr(exc))
+        return Outcome(ESTIMATOR, False, True, time.monotonic() - started)
+
+
+def schedule(runs: int) -> list[tuple[str, str]]:
+    """(healthy or failing, workload) for each run: one in ten a failure (in a short soak, often
+    enough that every kind of failure comes once), the kinds in turn."""
+    healthy, failing = [*HEALTHY, ESTIMATOR], list(FAILING)
+    every = 10 if runs >= 10 * len(failing) else max(2, runs // len(failing))
+    plan = []
+    for index in range(runs):
+        failures_so_far = (index + 1) // every
+        if (index + 1) % every == 0:
+            plan.append(("failing", failing[(failures_so_far - 1) % len(failing)]))
+        else:
+            plan.append(("healthy", healthy[(index - failures_so_far) % len(healthy)]))
+    return plan
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def local_spark():
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    return (SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+
+
+def soak(runs: int, hogs: int, short: bool) -> list[Outcome]:
+    """Run the soak; the outcome of every run, in order."""
+    plan = schedule(runs)
+    settings = Soak(peer_timeout_s=3.0, gil_seconds=8) if short else Soak(peer_timeout_s=10.0,
+                                                                         gil_seconds=30)
+    spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(hogs)]
+    for spinner in spinners:
+        spinner.start()
+    spark = None
+    outcomes = []
+    try:
+        for number, (kind, workload) in enumerate(plan, 1):
+            if workload == ESTIMATOR:
+                spark = spark or local_spark()
+                outcome = settings.estimator(spark)
+            elif kind == "healthy":
+                outcome = settings.healthy(workload)
+            else:
+                outcome = settings.failing(workload)
+            outcomes.append(outcome)
+            named = f", named after {outcome.named_after_s:.2f} s" if outcome.named_after_s else ""
+            print(f"run {number:3}: {workload:28} {'ok' if outcome.ok else 'WRONG'} "
+                  f"({outcome.seconds:.1f} s{named})", flush=True)
+            if not outcome.ok:
+                print(outcome.detail, flush=True)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        if spark is not None:
+            spark.stop()
+    return outcomes
+
+
+def report(outcomes: list[Outcome], hogs: int) -> dict:
+    healthy = [o for o in outcomes if not o.expected_failure]
+    failing = [o for o in outcomes if o.expected_failure]
+    summary = {"runs": len(outcomes), "busy_processes": hogs,
+               "healthy_runs": len(healthy), "false_failures": sum(not o.ok for o in healthy),
+               "true_failures": len(failing), "true_failures_named": sum(o.ok for o in failing),
+               "named_after_s": {}}
+    print(f"\n{len(outcomes)} runs beside {hogs} busy processes")
+    print(f"| workload | runs | wrong | median s |")
+    print("|---|---|---|---|")
+    for workload in dict.fromkeys(o.workload for o in outcomes):
+        mine = [o for o in outcomes if o.workload == workload]
+        print(f"| {workload} | {len(mine)} | {sum(not o.ok for o in mine)} | "
+              f"{statistics.median(o.seconds for o in mine):.1f} |")
+        named = [o.named_after_s for o in mine if o.named_after_s is not None]
+        if named:
+            summary["named_after_s"][workload] = {"max": max(named), "median": statistics.median(named)}
+    print(f"false failures: {summary['false_failures']} of {len(healthy)} healthy runs; true "
+          f"failures named right and in time: {summary['true_failures_named']} of {len(failing)}")
+    for workload, times in summary["named_after_s"].items():
+        print(f"  {workload}: named after {times['median']:.2f} s median, {times['max']:.2f} s at most")
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--hogs", type=int, default=4, help="busy processes beside the runs")
+    parser.add_argument("--short", action="store_true",
+                        help="CI's settings: a 3 s peer timeout, the GIL held for 8 s")
+    args = parser.parse_args()
+    outcomes = soak(args.runs, args.hogs, args.short)
+    summary = report(outcomes, args.hogs)
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "fail_fast_soak.json").write_text(json.dumps(summary, indent=2))
+    return 0 if all(o.ok for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
