@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import signal
 import tempfile
 import time
 import uuid
@@ -385,6 +386,11 @@ class _RunWatcher:
         for rank in record.ranks:
             if not rank.ended:
                 rank.end(RankStatus.STOPPED)
+            elif rank.status is RankStatus.DONE and rank.exit_code == -signal.SIGKILL:
+                # It had reported its result: the run stands, and the log says why it was killed.
+                self._logs[rank.rank].write(
+                    "ddl_magic: this rank had finished, but its process did not exit when the "
+                    "run ended (a destructor or a thread of its own held it); it was killed\n")
         for log in self._logs.values():
             log.close()
         if self._trace is not None:

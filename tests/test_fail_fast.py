@@ -171,3 +171,29 @@ def test_the_stall_report_comes_before_the_timeout(tmp_path):
     output = finished.stdout + finished.stderr
     stall = output.index("stall: tensor 'grads' was submitted by ranks [0]")
     assert stall < output.index("timed out after 3 s"), output
+
+
+def hang_after_finishing() -> int:
+    import atexit
+    import signal
+    import threading
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and the driver's SIGTERM goes unheard
+    atexit.register(threading.Event().wait)  # runs after the rank reported: hangs for ever
+    return hvd.rank()
+
+
+def test_a_rank_that_hangs_after_reporting_is_killed_and_the_run_stands():
+    from ddl_magic.job import Job, JobOptions
+    from ddl_magic.launch.local import LocalLauncher
+    from ddl_magic.tasks import FunctionTask
+
+    options = JobOptions(timeout_s=60, return_all=True, hide_output=True)
+    run = Job(FunctionTask(hang_after_finishing), 2, LocalLauncher(), options).run()
+    assert run.status == "done" and run.results == [0, 1]
+    for rank in run.ranks:
+        assert rank.status == "done" and rank.exit_code == -9
+        assert "this rank had finished, but its process did not exit" in run.log(rank.rank)
