@@ -101,9 +101,27 @@ class DdlProcessGroup(dist.ProcessGroup):
         self._prefix = f"ddl{group_id}"
         self._calls: Counter = Counter()
         self._in_flight: dict[str, Handle] = {}
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # torch keeps a group's name on its C++ backends, and a Python process group has none:
+    # these overrides keep it here, so `group_name` (DeviceMesh, DTensor, functional
+    # collectives resolve a group by it) answers instead of "ProcessGroup name not set".
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, description: str) -> None:
+        self._group_desc = description
 
     def __repr__(self) -> str:
         return f"DdlProcessGroup(rank={self._rank}, size={self._size})"
