@@ -179,9 +179,9 @@ class DdlProcessGroup(dist.ProcessGroup):
     # ---- what DDP and FSDP call ---------------------------------------------------------------
 
     def allreduce(self, tensors, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "all_reduce")
+        reduction = _reduction(opts.reduceOp, "all_reduce")
         return self._work("all_reduce", [
-            ("allreduce", _contiguous(t, "all_reduce"), t, {"op": int(op)}, None)
+            ("allreduce", _contiguous(t, "all_reduce"), t, reduction, None)
             for t in _reducible(tensors, "all_reduce")
         ], tensors)
 
@@ -218,28 +218,28 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        reduction = _reduction(opts.reduceOp, "reduce_scatter")
         return self._work("reduce_scatter", [
-            _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, op)
+            _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, reduction)
             for o, i in zip(outputs, _reducible(inputs, "reduce_scatter"))
         ], outputs)
 
     def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        reduction = _reduction(opts.reduceOp, "reduce_scatter")
         _reducible([t for inputs in input_lists for t in inputs], "reduce_scatter")
         return self._work("reduce_scatter", [
             _scatter_into(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
-                          [t.numel() for t in inputs], op)
+                          [t.numel() for t in inputs], reduction)
             for output, inputs in zip(outputs, input_lists)
         ], outputs)
 
     def reduce(self, tensors, opts) -> _Work:
         _check_rank(opts.rootRank, self._size, "reduce")
-        op = _reduce_op(opts.reduceOp, "reduce")
+        reduction = _reduction(opts.reduceOp, "reduce")
         _reducible(tensors, "reduce")
         keep = self._rank == opts.rootRank
         return self._work("reduce", [
-            ("allreduce", t.detach().contiguous(), None, {"op": int(op)},
+            ("allreduce", t.detach().contiguous(), None, reduction,
              (lambda reduced, t=t: t.copy_(reduced)) if keep else None)
             for t in tensors
         ], tensors)
@@ -283,14 +283,18 @@ def _reducible(tensors, call: str):
     return tensors
 
 
-def _reduce_op(op: dist.ReduceOp, call: str) -> ReduceOp:
+def _reduction(op: dist.ReduceOp, call: str) -> dict:
+    """The request fields of a reduction with `op`. PREMUL_SUM (FSDP2's gradient divide
+    factor) is a SUM whose inputs are first multiplied by its factor: the runtime's prescale."""
     kind = op.op  # torch hands over a ReduceOp object; its RedOpType says which
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return {"op": int(ReduceOp.SUM), "prescale": float(op.factor)}  # a float, or a 1-element tensor
     try:
-        return _REDUCE_OPS[kind]
+        return {"op": int(_REDUCE_OPS[kind])}
     except KeyError:
         raise NotImplementedError(
-            f"torch.distributed.{call}: the ddl backend reduces with SUM, AVG, MIN, MAX or "
-            f"PRODUCT, not {kind.name}") from None
+            f"torch.distributed.{call}: the ddl backend reduces with SUM, AVG, MIN, MAX, "
+            f"PRODUCT or PREMUL_SUM, not {kind.name}") from None
 
 
 def _check_rank(root: int, size: int, call: str) -> None:
@@ -304,10 +308,10 @@ def _contiguous(tensor: torch.Tensor, call: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], op: ReduceOp) -> tuple:
+def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], reduction: dict) -> tuple:
     """The submission that reduce-scatters the 1-D `whole`, rank r keeping `splits[r]`
     elements, into `output` (directly where it is contiguous)."""
-    fields = {"op": int(op), "splits": tuple(splits)}
+    fields = {**reduction, "splits": tuple(splits)}
     if output.is_contiguous():
         return ("reducescatter", whole.contiguous(), output.view(-1), fields, None)
     return ("reducescatter", whole.contiguous(), None, fields,
