@@ -18,8 +18,14 @@ shape than the others gets the negotiation's mismatch error, naming every rank's
 Each collective starts as soon as every rank has submitted it, without the fusion window:
 DDP and FSDP fuse their tensors into buckets themselves.
 
+FSDP2 (`fully_shard`) and DTensor find the group by its name, on a 1-D `DeviceMesh`: the
+group keeps the name torch gives it. FSDP2's gradient divide factor reduces with PREMUL_SUM,
+which is the runtime's prescale. `gather` and `scatter` (DTensor's `distribute_tensor`
+scatters) ride on the runtime's allgather and broadcast.
+
 What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
-subset of the ranks. They raise an error that says so, so use `gloo` for such code.
+subset of the ranks (and so DeviceMeshes of several dimensions, which make such groups).
+They raise an error that says so, so use `gloo` for such code.
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
         raise ValueError(
             f"the ddl backend runs collectives over every rank of the run ({world.size}); this "
             f"process group has ranks {members}. Create subgroups with a gloo backend, e.g. "
-            "dist.new_group(ranks, backend='gloo')")
+            "dist.new_group(ranks, backend='gloo'); a DeviceMesh of several dimensions makes "
+            "such subgroups: give it init_device_mesh(..., backend_override={dim: 'gloo'}), "
+            "or use a 1-D mesh")
     return DdlProcessGroup(world.rank, world.size, str(options.group_id))
 
 
@@ -196,12 +204,19 @@ class DdlProcessGroup(dist.ProcessGroup):
         ], tensors)
 
     def allgather(self, output_lists, inputs, opts) -> _Work:
-        def scatter_into(outputs):
-            return lambda gathered: _copy_chunks(gathered, outputs)
-
         return self._work("all_gather", [
-            ("allgather", t.detach().reshape(-1).contiguous(), None, {}, scatter_into(outputs))
+            ("allgather", _flat(t), None, {}, _copied_into(outputs))
             for outputs, t in zip(output_lists, inputs)
+        ], output_lists)
+
+    def allgather_coalesced(self, output_lists, inputs, opts) -> _Work:
+        """`output_lists[r][i]` receives rank r's `inputs[i]` (as gloo, one list per rank)."""
+        if len(output_lists) != self._size:
+            raise ValueError(f"torch.distributed.all_gather_coalesced: {len(output_lists)} output "
+                             f"lists for a group of {self._size}; give one per rank")
+        return self._work("all_gather_coalesced", [
+            ("allgather", _flat(t), None, {}, _copied_into([outputs[i] for outputs in output_lists]))
+            for i, t in enumerate(inputs)
         ], output_lists)
 
     def all_gather_single(self, output, input, opts) -> _Work:
@@ -209,8 +224,7 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
         return self._work("all_gather_single", [
-            ("allgather", i.detach().reshape(-1).contiguous(), None, {},
-             lambda gathered, o=o: o.view(-1).copy_(gathered))
+            ("allgather", _flat(i), None, {}, lambda gathered, o=o: o.view(-1).copy_(gathered))
             for o, i in zip(outputs, inputs)
         ], outputs)
 
@@ -247,12 +261,50 @@ class DdlProcessGroup(dist.ProcessGroup):
     def barrier(self, opts=None) -> _Work:
         return self._work("barrier", [("barrier", None, None, {}, None)], [])
 
+    # The runtime has no rooted gather or scatter: they ride on its allgather and broadcast,
+    # moving `size` times the bytes (every rank receives what only one needs). DTensor's
+    # `distribute_tensor` scatters, `gather_object` and `scatter_object_list` do too.
+
+    def gather(self, output_lists, inputs, opts) -> _Work:
+        """An allgather of which only the root keeps the result."""
+        root = opts.rootRank
+        _check_rank(root, self._size, "gather")
+        tensor = _single(inputs, "gather")
+        outputs = None
+        if self._rank == root:
+            outputs = _single(output_lists, "gather")
+            _check_parts(outputs, self._size, "gather", "gather_list")
+        return self._work("gather", [
+            ("allgather", _flat(tensor), None, {}, None if outputs is None else _copied_into(outputs))
+        ], output_lists)
+
+    def scatter(self, outputs, input_lists, opts) -> _Work:
+        """A broadcast of the root's whole list, of which each rank keeps its part. Every
+        part has the output's size, as gloo requires."""
+        root = opts.rootRank
+        _check_rank(root, self._size, "scatter")
+        output = _single(outputs, "scatter")
+        part = output.numel()
+        whole = torch.empty(self._size * part, dtype=output.dtype, device=output.device)
+        if self._rank == root:
+            parts = _single(input_lists, "scatter")
+            _check_parts(parts, self._size, "scatter", "scatter_list")
+            if any(p.numel() != part for p in parts):
+                raise ValueError(f"torch.distributed.scatter: every tensor of scatter_list needs the "
+                                 f"output's {part} elements, not {[p.numel() for p in parts]}")
+            torch.cat([p.detach().reshape(-1) for p in parts], out=whole)
+        mine = slice(self._rank * part, (self._rank + 1) * part)
+        return self._work("scatter", [
+            ("broadcast", whole, whole, {"root": root},
+             lambda received: output.copy_(received[mine].view(output.shape)))
+        ], outputs)
+
     # ---- what the runtime does not have: say so ---------------------------------------------
 
     def _unsupported(self, call: str):
         raise NotImplementedError(
-            f"torch.distributed.{call} is not supported by the ddl backend (it has allreduce, "
-            "broadcast, all_gather, reduce_scatter, reduce and barrier); use "
+            f"torch.distributed.{call} is not supported by the ddl backend (it has all_reduce, "
+            "broadcast, all_gather, reduce_scatter, reduce, gather, scatter and barrier); use "
             "dist.init_process_group('gloo') for code that needs it")
 
     def all_to_all_single(self, *args, **kwargs):
@@ -269,12 +321,6 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv")
-
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
 
 
 def _reducible(tensors, call: str):
@@ -316,6 +362,28 @@ def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], 
         return ("reducescatter", whole.contiguous(), output.view(-1), fields, None)
     return ("reducescatter", whole.contiguous(), None, fields,
             lambda mine: output.copy_(mine.view(output.shape)))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).contiguous()
+
+
+def _single(tensors: list, call: str):
+    if len(tensors) != 1:
+        raise ValueError(f"torch.distributed.{call} on the ddl backend takes one tensor (list) "
+                         f"per call, not {len(tensors)}")
+    return tensors[0]
+
+
+def _check_parts(parts: list[torch.Tensor], size: int, call: str, argument: str) -> None:
+    if len(parts) != size:
+        raise ValueError(f"torch.distributed.{call}: {argument} has {len(parts)} tensors for a "
+                         f"group of {size}; give one per rank")
+
+
+def _copied_into(outputs: list[torch.Tensor]):
+    """What copies an allgather's 1-D result, every rank's part in rank order, into `outputs`."""
+    return lambda gathered: _copy_chunks(gathered, outputs)
 
 
 def _copy_chunks(gathered: torch.Tensor, outputs: list[torch.Tensor]) -> None:
