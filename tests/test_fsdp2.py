@@ -175,3 +175,26 @@ def test_dtensor_and_rooted_collectives_over_ddl_give_what_gloo_gives():
                      "partial_to_replicate", "partial_to_shard", "all_gather_coalesced", "gather",
                      "scatter", "gather_object", "over_the_first_dimension"):
             assert ddl[what] == gloo[what], (rank, what)
+
+
+def test_fully_shard_over_ddl_in_a_horovod_cell(tmp_path, one_process_weights):
+    import ast
+    import os
+
+    from kernel import Kernel
+
+    # The kernel, and the ranks it starts, import `training` from here.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "PYTHONPATH": path}, cwd=str(tmp_path))
+    try:
+        assert kernel.run("%load_ext ddl_magic").error is None
+        out = kernel.run("%%horovod -np 2 --quiet\n"
+                         "import training\n"
+                         "trained = training.train_fully_sharded('ddl', 'per_layer')\n"
+                         "[w.tolist() for w in trained['weights']]")
+    finally:
+        kernel.close()
+    assert out.error is None, out.error
+    weights = [torch.tensor(w) for w in ast.literal_eval(out.result)]
+    assert_close_weights(weights, one_process_weights)
