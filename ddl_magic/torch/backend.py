@@ -224,9 +224,20 @@ class DdlProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
         return self._work("all_gather_single", [
-            ("allgather", _flat(i), None, {}, lambda gathered, o=o: o.view(-1).copy_(gathered))
-            for o, i in zip(outputs, inputs)
+            self._gathered_into(o, i) for o, i in zip(outputs, inputs)
         ], outputs)
+
+    def _gathered_into(self, output: torch.Tensor, tensor: torch.Tensor) -> tuple:
+        """The submission that allgathers `tensor` into `output`, every rank's part in rank
+        order: directly where `output` is a contiguous host tensor (FSDP2's and FSDP's
+        all-gathers), sparing a copy of the whole result."""
+        if output.numel() != self._size * tensor.numel():
+            raise ValueError(f"torch.distributed.all_gather_single: an output of {output.numel()} "
+                             f"elements for {self._size} ranks' {tensor.numel()} each")
+        if output.is_cpu and output.is_contiguous():
+            return ("allgather", _flat(tensor), output.view(-1), {}, None)
+        return ("allgather", _flat(tensor), None, {},
+                lambda gathered: output.copy_(gathered.view(output.shape)))
 
     def reduce_scatter_single(self, output, input, opts) -> _Work:
         return self.reduce_scatter_single_coalesced([output], [input], opts)
