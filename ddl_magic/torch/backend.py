@@ -149,18 +149,22 @@ class DdlProcessGroup(dist.ProcessGroup):
         return name
 
     def _submit(self, api: str, kind: str, tensor: torch.Tensor | None,
-                output: torch.Tensor | None, finish, **fields) -> Handle:
+                output: torch.Tensor | None, finish, waited_at_once: bool, **fields) -> Handle:
         """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
         queue = context.current(f"torch.distributed.{api}").queue
         name = self._name(kind)
         handle = queue.submit(Request.of(name, kind, tensor, **fields), tensor, output,
-                              on_done=finish, fused=True)
+                              wait_follows=waited_at_once, on_done=finish, fused=True)
         self._in_flight[name] = handle
         return handle
 
-    def _work(self, api: str, submissions, value) -> _Work:
+    def _work(self, api: str, submissions, value, opts) -> _Work:
         """Submit `(kind, tensor, output, fields, after)` collectives; the future gets `value`
-        once all have completed and each `after(output)` has run."""
+        once all have completed and each `after(output)` has run.
+
+        A blocking call (`async_op=False`, as all of FSDP2's on CPU) waits on its Work at
+        once, and that wait runs the collective: the op queue's thread need not be woken for
+        it, which spares a thread switch per collective."""
         future = Future()
         remaining = [len(submissions)]
         failed = []
@@ -180,7 +184,8 @@ class DdlProcessGroup(dist.ProcessGroup):
                     future.set_result(value)
 
         handles = [self._submit(api, kind, tensor, output,
-                                lambda handle, after=after: finish(handle, after), **fields)
+                                lambda handle, after=after: finish(handle, after),
+                                not opts.asyncOp, **fields)
                    for kind, tensor, output, fields, after in submissions]
         return _Work(handles, future)
 
@@ -191,7 +196,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("all_reduce", [
             ("allreduce", _contiguous(t, "all_reduce"), t, reduction, None)
             for t in _reducible(tensors, "all_reduce")
-        ], tensors)
+        ], tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts) -> _Work:
         return self.allreduce(tensors, opts)
@@ -201,13 +206,13 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("broadcast", [
             ("broadcast", _contiguous(t, "broadcast"), t, {"root": int(opts.rootRank)}, None)
             for t in tensors
-        ], tensors)
+        ], tensors, opts)
 
     def allgather(self, output_lists, inputs, opts) -> _Work:
         return self._work("all_gather", [
             ("allgather", _flat(t), None, {}, _copied_into(outputs))
             for outputs, t in zip(output_lists, inputs)
-        ], output_lists)
+        ], output_lists, opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts) -> _Work:
         """`output_lists[r][i]` receives rank r's `inputs[i]` (as gloo, one list per rank)."""
@@ -217,7 +222,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("all_gather_coalesced", [
             ("allgather", _flat(t), None, {}, _copied_into([outputs[i] for outputs in output_lists]))
             for i, t in enumerate(inputs)
-        ], output_lists)
+        ], output_lists, opts)
 
     def all_gather_single(self, output, input, opts) -> _Work:
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -225,7 +230,7 @@ class DdlProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
         return self._work("all_gather_single", [
             self._gathered_into(o, i) for o, i in zip(outputs, inputs)
-        ], outputs)
+        ], outputs, opts)
 
     def _gathered_into(self, output: torch.Tensor, tensor: torch.Tensor) -> tuple:
         """The submission that allgathers `tensor` into `output`, every rank's part in rank
@@ -247,7 +252,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("reduce_scatter", [
             _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, reduction)
             for o, i in zip(outputs, _reducible(inputs, "reduce_scatter"))
-        ], outputs)
+        ], outputs, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
         reduction = _reduction(opts.reduceOp, "reduce_scatter")
@@ -256,7 +261,7 @@ class DdlProcessGroup(dist.ProcessGroup):
             _scatter_into(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
                           [t.numel() for t in inputs], reduction)
             for output, inputs in zip(outputs, input_lists)
-        ], outputs)
+        ], outputs, opts)
 
     def reduce(self, tensors, opts) -> _Work:
         _check_rank(opts.rootRank, self._size, "reduce")
@@ -267,10 +272,10 @@ class DdlProcessGroup(dist.ProcessGroup):
             ("allreduce", t.detach().contiguous(), None, reduction,
              (lambda reduced, t=t: t.copy_(reduced)) if keep else None)
             for t in tensors
-        ], tensors)
+        ], tensors, opts)
 
     def barrier(self, opts=None) -> _Work:
-        return self._work("barrier", [("barrier", None, None, {}, None)], [])
+        return self._work("barrier", [("barrier", None, None, {}, None)], [], opts or dist.BarrierOptions())
 
     # The runtime has no rooted gather or scatter: they ride on its allgather and broadcast,
     # moving `size` times the bytes (every rank receives what only one needs). DTensor's
@@ -287,7 +292,7 @@ class DdlProcessGroup(dist.ProcessGroup):
             _check_parts(outputs, self._size, "gather", "gather_list")
         return self._work("gather", [
             ("allgather", _flat(tensor), None, {}, None if outputs is None else _copied_into(outputs))
-        ], output_lists)
+        ], output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts) -> _Work:
         """A broadcast of the root's whole list, of which each rank keeps its part. Every
@@ -308,7 +313,7 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("scatter", [
             ("broadcast", whole, whole, {"root": root},
              lambda received: output.copy_(received[mine].view(output.shape)))
-        ], outputs)
+        ], outputs, opts)
 
     # ---- what the runtime does not have: say so ---------------------------------------------
 
