@@ -73,9 +73,9 @@ def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
         raise ValueError(
             f"the ddl backend runs collectives over every rank of the run ({world.size}); this "
             f"process group has ranks {members}. Create subgroups with a gloo backend, e.g. "
-            "dist.new_group(ranks, backend='gloo'); a DeviceMesh of several dimensions makes "
-            "such subgroups: give it init_device_mesh(..., backend_override={dim: 'gloo'}), "
-            "or use a 1-D mesh")
+            "dist.new_group(ranks, backend='gloo'). A DeviceMesh makes such subgroups for "
+            "each dimension that does not span every rank: give those dimensions gloo, "
+            "init_device_mesh(..., backend_override={dim: 'gloo'}), or use a 1-D mesh")
     return DdlProcessGroup(world.rank, world.size, str(options.group_id))
 
 
