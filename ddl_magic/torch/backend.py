@@ -1,4 +1,4 @@
-"""The `ddl` backend for torch.distributed: DDP and FSDP over ddl_magic's runtime.
+"""The `ddl` backend for torch.distributed: DDP, FSDP, FSDP2 and DTensor over ddl_magic's runtime.
 
     import torch.distributed as dist
     dist.init_process_group("ddl")          # in any rank ddl_magic launched
@@ -23,8 +23,9 @@ group keeps the name torch gives it. FSDP2's gradient divide factor reduces with
 which is the runtime's prescale. `gather` and `scatter` (DTensor's `distribute_tensor`
 scatters) ride on the runtime's allgather and broadcast.
 
-What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
-subset of the ranks (and so DeviceMeshes of several dimensions, which make such groups).
+What is not here: point-to-point `send`/`recv` and `all_to_all` (DTensor on CPU needs none:
+it all-gathers instead), and process groups over a subset of the ranks (and so the
+DeviceMesh dimensions that do not span every rank, which make such groups).
 They raise an error that says so, so use `gloo` for such code.
 """
 
