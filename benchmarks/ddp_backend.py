@@ -1,4 +1,4 @@
-"""Plain DDP and FSDP code over the ``ddl`` torch.distributed backend against the same code over gloo.
+"""Plain DDP, FSDP and FSDP2 code over the ``ddl`` torch.distributed backend against the same code over gloo.
 
     python benchmarks/ddp_backend.py            # 300 timed steps, 2 runs of each side
     python benchmarks/ddp_backend.py --quick    # smoke run: 50 timed steps, one run of each side
@@ -11,13 +11,15 @@ else); only the backend differs:
 
 - DDP over gloo and over ddl (``DistributedDataParallel(model)``);
 - FSDP over gloo and over ddl (``FullyShardedDataParallel(model, device_id=cpu, use_orig_params=True)``);
+- FSDP2 over gloo and over ddl (``fully_shard`` on each Linear, then on the model, on a 1-D
+  ``init_device_mesh("cpu", (2,))``: parameters are DTensors, each rank holding half);
 - plain: one process stepping without a wrapper (``train_step.py``'s), the floor.
 
 Each rank times every step (zero_grad, forward, backward, step) after a warm-up; the sides
 run in turn, repeated, and the report takes the less disturbed run's slowest-rank median and
-the ratios ddl/gloo, for DDP (target <= 0.7) and for FSDP (reported).
+the ratios ddl/gloo, for DDP (target <= 0.7) and for FSDP and FSDP2 (reported).
 
-Same weights: DDP and FSDP over ddl train a fixed number of steps in which rank r takes its
+Same weights: DDP, FSDP and FSDP2 over ddl train a fixed number of steps in which rank r takes its
 half of each global batch (``train_step.py``'s batches of rank r), and one process trains the
 same steps on the whole global batches (both halves) with the same optimizer. The halves are
 equal, so the averaged gradient is the whole batch's, and the weights must agree within float
@@ -43,7 +45,8 @@ from train_step import WORKLOADS, mlp, plain_training, sgd, synthetic_batches, t
 
 NP = 2
 MLP = WORKLOADS["mlp"]
-WRAPPERS = ("ddp", "fsdp")
+WRAPPERS = ("ddp", "fsdp", "fsdp2")
+LABELS = {"ddp": "DDP", "fsdp": "FSDP", "fsdp2": "FSDP2"}
 BACKENDS = ("gloo", "ddl")
 TARGET_DDP_DDL_OVER_GLOO = 0.7
 SAME_WEIGHTS_STEPS = 20
@@ -58,6 +61,15 @@ def wrap(model: nn.Module, wrapper: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    if wrapper == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model:  # as FSDP2's users write it: each layer, then the rest
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     return nn.parallel.DistributedDataParallel(model)
 
 
@@ -91,6 +103,8 @@ def trained_weights(backend: str, wrapper: str, steps: int) -> list[torch.Tensor
 
         with FullyShardedDataParallel.summon_full_params(model):  # collective: every rank takes part
             weights = [p.detach().clone() for p in model.parameters()]
+    elif wrapper == "fsdp2":
+        weights = [p.full_tensor().detach() for p in model.parameters()]  # an all-gather each
     else:
         weights = [p.detach().clone() for p in model.module.parameters()]
     return weights if rank == 0 else None
@@ -115,7 +129,7 @@ def loss_of(weights: list[torch.Tensor], batches: list) -> float:
 
 
 def same_weights(steps: int) -> dict:
-    """DDP and FSDP over ddl against one process trained on the whole batches."""
+    """DDP, FSDP and FSDP2 over ddl against one process trained on the whole batches."""
     batches = global_batches()
     model = mlp(MLP.layers)
     train(model, sgd(model, NP), batches, steps)
@@ -154,11 +168,11 @@ def print_steps(steps: dict) -> None:
     sides = steps["sides"]
     plain_s = sides["plain"]["median_s"]
     verdict = "meets" if steps["meets_target"] else "MISSES"
-    targets = {"ddp": (f"<={TARGET_DDP_DDL_OVER_GLOO:.1f}", verdict), "fsdp": ("-", "")}
+    targets = {"ddp": (f"<={TARGET_DDP_DDL_OVER_GLOO:.1f}", verdict), "fsdp": ("-", ""), "fsdp2": ("-", "")}
     rows = []
     for wrapper in WRAPPERS:
         gloo_s, ddl_s = sides[f"{wrapper}_gloo"]["median_s"], sides[f"{wrapper}_ddl"]["median_s"]
-        rows.append([wrapper.upper(), f"{gloo_s * 1e3:.2f}", f"{ddl_s * 1e3:.2f}", f"{ddl_s / gloo_s:.2f}",
+        rows.append([LABELS[wrapper], f"{gloo_s * 1e3:.2f}", f"{ddl_s * 1e3:.2f}", f"{ddl_s / gloo_s:.2f}",
                      *targets[wrapper], f"{gloo_s / plain_s:.2f}", f"{ddl_s / plain_s:.2f}"])
     print_table(f"train step, {MLP.title}, np={NP}: median ms of the slowest rank",
                 ["wrapper", "gloo ms", "ddl ms", "ddl/gloo", "target", "verdict", "gloo/plain", "ddl/plain"], rows)
@@ -169,7 +183,7 @@ def print_steps(steps: dict) -> None:
 
 
 def print_same_weights(checks: dict, steps: int) -> None:
-    rows = [[f"{wrapper.upper()} ddl", f"{checks[f'{wrapper}_ddl']['max_abs_difference']:.2e}",
+    rows = [[f"{LABELS[wrapper]} ddl", f"{checks[f'{wrapper}_ddl']['max_abs_difference']:.2e}",
              f"{checks[f'{wrapper}_ddl']['loss']:.6f}", f"{checks['one_process_loss']:.6f}",
              "same" if checks[f"{wrapper}_ddl"]["within_tolerance"] else "DIFFERENT"]
             for wrapper in WRAPPERS]

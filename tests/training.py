@@ -61,6 +61,35 @@ def train(backend: str, wrapper: str = "ddp", steps: int = STEPS, kill_rank: int
     return weights, checksums
 
 
+def train_fully_sharded(backend: str, sharding: str, steps: int = STEPS) -> dict:
+    """FSDP2 (`fully_shard` on a 1-D `DeviceMesh`) training on every rank, each on its share
+    of the batch. `sharding` is "per_layer" (each Linear, then the whole model, as FSDP2's
+    users write it) or "whole" (the model as one unit). Returns the full weights
+    (`DTensor.full_tensor()`, itself an all-gather) and this rank's shard of each parameter's shape."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (size,))
+    model, x, y = _model_and_data()
+    if sharding == "per_layer":
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rank::size]), y[rank::size]).backward()
+        optimizer.step()
+    return {"weights": [p.full_tensor().detach().clone() for p in model.parameters()],
+            "shard_shapes": [tuple(p.to_local().shape) for p in model.parameters()]}
+
+
 def train_alone(steps: int = STEPS):
     """The same steps in one process, on the whole batch."""
     import torch

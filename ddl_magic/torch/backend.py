@@ -1,4 +1,4 @@
-"""The `ddl` backend for torch.distributed: DDP and FSDP over ddl_magic's runtime.
+"""The `ddl` backend for torch.distributed: DDP, FSDP, FSDP2 and DTensor over ddl_magic's runtime.
 
     import torch.distributed as dist
     dist.init_process_group("ddl")          # in any rank ddl_magic launched
@@ -18,8 +18,15 @@ shape than the others gets the negotiation's mismatch error, naming every rank's
 Each collective starts as soon as every rank has submitted it, without the fusion window:
 DDP and FSDP fuse their tensors into buckets themselves.
 
-What is not here: point-to-point `send`/`recv` and `all_to_all`, and process groups over a
-subset of the ranks. They raise an error that says so, so use `gloo` for such code.
+FSDP2 (`fully_shard`) and DTensor find the group by its name, on a 1-D `DeviceMesh`: the
+group keeps the name torch gives it. FSDP2's gradient divide factor reduces with PREMUL_SUM,
+which is the runtime's prescale. `gather` and `scatter` (DTensor's `distribute_tensor`
+scatters) ride on the runtime's allgather and broadcast.
+
+What is not here: point-to-point `send`/`recv` and `all_to_all` (DTensor on CPU needs none:
+it all-gathers instead), and process groups over a subset of the ranks (and so the
+DeviceMesh dimensions that do not span every rank, which make such groups).
+They raise an error that says so, so use `gloo` for such code.
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
         raise ValueError(
             f"the ddl backend runs collectives over every rank of the run ({world.size}); this "
             f"process group has ranks {members}. Create subgroups with a gloo backend, e.g. "
-            "dist.new_group(ranks, backend='gloo')")
+            "dist.new_group(ranks, backend='gloo'). A DeviceMesh makes such subgroups for "
+            "each dimension that does not span every rank: give those dimensions gloo, "
+            "init_device_mesh(..., backend_override={dim: 'gloo'}), or use a 1-D mesh")
     return DdlProcessGroup(world.rank, world.size, str(options.group_id))
 
 
@@ -101,9 +110,27 @@ class DdlProcessGroup(dist.ProcessGroup):
         self._prefix = f"ddl{group_id}"
         self._calls: Counter = Counter()
         self._in_flight: dict[str, Handle] = {}
+        self._group_name = ""
+        self._group_desc = ""
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
+
+    # torch keeps a group's name on its C++ backends, and a Python process group has none:
+    # these overrides keep it here, so `group_name` (DeviceMesh, DTensor, functional
+    # collectives resolve a group by it) answers instead of "ProcessGroup name not set".
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, description: str) -> None:
+        self._group_desc = description
 
     def __repr__(self) -> str:
         return f"DdlProcessGroup(rank={self._rank}, size={self._size})"
@@ -123,18 +150,22 @@ class DdlProcessGroup(dist.ProcessGroup):
         return name
 
     def _submit(self, api: str, kind: str, tensor: torch.Tensor | None,
-                output: torch.Tensor | None, finish, **fields) -> Handle:
+                output: torch.Tensor | None, finish, waited_at_once: bool, **fields) -> Handle:
         """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
         queue = context.current(f"torch.distributed.{api}").queue
         name = self._name(kind)
         handle = queue.submit(Request.of(name, kind, tensor, **fields), tensor, output,
-                              on_done=finish, fused=True)
+                              wait_follows=waited_at_once, on_done=finish, fused=True)
         self._in_flight[name] = handle
         return handle
 
-    def _work(self, api: str, submissions, value) -> _Work:
+    def _work(self, api: str, submissions, value, opts) -> _Work:
         """Submit `(kind, tensor, output, fields, after)` collectives; the future gets `value`
-        once all have completed and each `after(output)` has run."""
+        once all have completed and each `after(output)` has run.
+
+        A blocking call (`async_op=False`, as all of FSDP2's on CPU) waits on its Work at
+        once, and that wait runs the collective: the op queue's thread need not be woken for
+        it, which spares a thread switch per collective."""
         future = Future()
         remaining = [len(submissions)]
         failed = []
@@ -154,18 +185,19 @@ class DdlProcessGroup(dist.ProcessGroup):
                     future.set_result(value)
 
         handles = [self._submit(api, kind, tensor, output,
-                                lambda handle, after=after: finish(handle, after), **fields)
+                                lambda handle, after=after: finish(handle, after),
+                                not opts.asyncOp, **fields)
                    for kind, tensor, output, fields, after in submissions]
         return _Work(handles, future)
 
     # ---- what DDP and FSDP call ---------------------------------------------------------------
 
     def allreduce(self, tensors, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "all_reduce")
+        reduction = _reduction(opts.reduceOp, "all_reduce")
         return self._work("all_reduce", [
-            ("allreduce", _contiguous(t, "all_reduce"), t, {"op": int(op)}, None)
+            ("allreduce", _contiguous(t, "all_reduce"), t, reduction, None)
             for t in _reducible(tensors, "all_reduce")
-        ], tensors)
+        ], tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts) -> _Work:
         return self.allreduce(tensors, opts)
@@ -175,66 +207,121 @@ class DdlProcessGroup(dist.ProcessGroup):
         return self._work("broadcast", [
             ("broadcast", _contiguous(t, "broadcast"), t, {"root": int(opts.rootRank)}, None)
             for t in tensors
-        ], tensors)
+        ], tensors, opts)
 
     def allgather(self, output_lists, inputs, opts) -> _Work:
-        def scatter_into(outputs):
-            return lambda gathered: _copy_chunks(gathered, outputs)
-
         return self._work("all_gather", [
-            ("allgather", t.detach().reshape(-1).contiguous(), None, {}, scatter_into(outputs))
+            ("allgather", _flat(t), None, {}, _copied_into(outputs))
             for outputs, t in zip(output_lists, inputs)
-        ], output_lists)
+        ], output_lists, opts)
+
+    def allgather_coalesced(self, output_lists, inputs, opts) -> _Work:
+        """`output_lists[r][i]` receives rank r's `inputs[i]` (as gloo, one list per rank)."""
+        if len(output_lists) != self._size:
+            raise ValueError(f"torch.distributed.all_gather_coalesced: {len(output_lists)} output "
+                             f"lists for a group of {self._size}; give one per rank")
+        return self._work("all_gather_coalesced", [
+            ("allgather", _flat(t), None, {}, _copied_into([outputs[i] for outputs in output_lists]))
+            for i, t in enumerate(inputs)
+        ], output_lists, opts)
 
     def all_gather_single(self, output, input, opts) -> _Work:
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts) -> _Work:
         return self._work("all_gather_single", [
-            ("allgather", i.detach().reshape(-1).contiguous(), None, {},
-             lambda gathered, o=o: o.view(-1).copy_(gathered))
-            for o, i in zip(outputs, inputs)
-        ], outputs)
+            self._gathered_into(o, i) for o, i in zip(outputs, inputs)
+        ], outputs, opts)
+
+    def _gathered_into(self, output: torch.Tensor, tensor: torch.Tensor) -> tuple:
+        """The submission that allgathers `tensor` into `output`, every rank's part in rank
+        order: directly where `output` is a contiguous host tensor (FSDP2's and FSDP's
+        all-gathers), sparing a copy of the whole result."""
+        if output.numel() != self._size * tensor.numel():
+            raise ValueError(f"torch.distributed.all_gather_single: an output of {output.numel()} "
+                             f"elements for {self._size} ranks' {tensor.numel()} each")
+        if output.is_cpu and output.is_contiguous():
+            return ("allgather", _flat(tensor), output.view(-1), {}, None)
+        return ("allgather", _flat(tensor), None, {},
+                lambda gathered: output.copy_(gathered.view(output.shape)))
 
     def reduce_scatter_single(self, output, input, opts) -> _Work:
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        reduction = _reduction(opts.reduceOp, "reduce_scatter")
         return self._work("reduce_scatter", [
-            _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, op)
+            _scatter_into(o, i.detach().reshape(-1), [o.numel()] * self._size, reduction)
             for o, i in zip(outputs, _reducible(inputs, "reduce_scatter"))
-        ], outputs)
+        ], outputs, opts)
 
     def reduce_scatter(self, outputs, input_lists, opts) -> _Work:
-        op = _reduce_op(opts.reduceOp, "reduce_scatter")
+        reduction = _reduction(opts.reduceOp, "reduce_scatter")
         _reducible([t for inputs in input_lists for t in inputs], "reduce_scatter")
         return self._work("reduce_scatter", [
             _scatter_into(output, torch.cat([t.detach().reshape(-1) for t in inputs]),
-                          [t.numel() for t in inputs], op)
+                          [t.numel() for t in inputs], reduction)
             for output, inputs in zip(outputs, input_lists)
-        ], outputs)
+        ], outputs, opts)
 
     def reduce(self, tensors, opts) -> _Work:
         _check_rank(opts.rootRank, self._size, "reduce")
-        op = _reduce_op(opts.reduceOp, "reduce")
+        reduction = _reduction(opts.reduceOp, "reduce")
         _reducible(tensors, "reduce")
         keep = self._rank == opts.rootRank
         return self._work("reduce", [
-            ("allreduce", t.detach().contiguous(), None, {"op": int(op)},
+            ("allreduce", t.detach().contiguous(), None, reduction,
              (lambda reduced, t=t: t.copy_(reduced)) if keep else None)
             for t in tensors
-        ], tensors)
+        ], tensors, opts)
 
     def barrier(self, opts=None) -> _Work:
-        return self._work("barrier", [("barrier", None, None, {}, None)], [])
+        return self._work("barrier", [("barrier", None, None, {}, None)], [], opts or dist.BarrierOptions())
+
+    # The runtime has no rooted gather or scatter: they ride on its allgather and broadcast,
+    # moving `size` times the bytes (every rank receives what only one needs). DTensor's
+    # `distribute_tensor` scatters, `gather_object` and `scatter_object_list` do too.
+
+    def gather(self, output_lists, inputs, opts) -> _Work:
+        """An allgather of which only the root keeps the result."""
+        root = opts.rootRank
+        _check_rank(root, self._size, "gather")
+        tensor = _single(inputs, "gather")
+        outputs = None
+        if self._rank == root:
+            outputs = _single(output_lists, "gather")
+            _check_parts(outputs, self._size, "gather", "gather_list")
+        return self._work("gather", [
+            ("allgather", _flat(tensor), None, {}, None if outputs is None else _copied_into(outputs))
+        ], output_lists, opts)
+
+    def scatter(self, outputs, input_lists, opts) -> _Work:
+        """A broadcast of the root's whole list, of which each rank keeps its part. Every
+        part has the output's size, as gloo requires."""
+        root = opts.rootRank
+        _check_rank(root, self._size, "scatter")
+        output = _single(outputs, "scatter")
+        part = output.numel()
+        whole = torch.empty(self._size * part, dtype=output.dtype, device=output.device)
+        if self._rank == root:
+            parts = _single(input_lists, "scatter")
+            _check_parts(parts, self._size, "scatter", "scatter_list")
+            if any(p.numel() != part for p in parts):
+                raise ValueError(f"torch.distributed.scatter: every tensor of scatter_list needs the "
+                                 f"output's {part} elements, not {[p.numel() for p in parts]}")
+            torch.cat([p.detach().reshape(-1) for p in parts], out=whole)
+        mine = slice(self._rank * part, (self._rank + 1) * part)
+        return self._work("scatter", [
+            ("broadcast", whole, whole, {"root": root},
+             lambda received: output.copy_(received[mine].view(output.shape)))
+        ], outputs, opts)
 
     # ---- what the runtime does not have: say so ---------------------------------------------
 
     def _unsupported(self, call: str):
         raise NotImplementedError(
-            f"torch.distributed.{call} is not supported by the ddl backend (it has allreduce, "
-            "broadcast, all_gather, reduce_scatter, reduce and barrier); use "
+            f"torch.distributed.{call} is not supported by the ddl backend (it has all_reduce, "
+            "broadcast, all_gather, reduce_scatter, reduce, gather, scatter and barrier); use "
             "dist.init_process_group('gloo') for code that needs it")
 
     def all_to_all_single(self, *args, **kwargs):
@@ -252,12 +339,6 @@ class DdlProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv")
 
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
-
 
 def _reducible(tensors, call: str):
     for tensor in tensors:
@@ -265,14 +346,18 @@ def _reducible(tensors, call: str):
     return tensors
 
 
-def _reduce_op(op: dist.ReduceOp, call: str) -> ReduceOp:
+def _reduction(op: dist.ReduceOp, call: str) -> dict:
+    """The request fields of a reduction with `op`. PREMUL_SUM (FSDP2's gradient divide
+    factor) is a SUM whose inputs are first multiplied by its factor: the runtime's prescale."""
     kind = op.op  # torch hands over a ReduceOp object; its RedOpType says which
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return {"op": int(ReduceOp.SUM), "prescale": float(op.factor)}  # a float, or a 1-element tensor
     try:
-        return _REDUCE_OPS[kind]
+        return {"op": int(_REDUCE_OPS[kind])}
     except KeyError:
         raise NotImplementedError(
-            f"torch.distributed.{call}: the ddl backend reduces with SUM, AVG, MIN, MAX or "
-            f"PRODUCT, not {kind.name}") from None
+            f"torch.distributed.{call}: the ddl backend reduces with SUM, AVG, MIN, MAX, "
+            f"PRODUCT or PREMUL_SUM, not {kind.name}") from None
 
 
 def _check_rank(root: int, size: int, call: str) -> None:
@@ -286,14 +371,36 @@ def _contiguous(tensor: torch.Tensor, call: str) -> torch.Tensor:
     return tensor.detach()
 
 
-def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], op: ReduceOp) -> tuple:
+def _scatter_into(output: torch.Tensor, whole: torch.Tensor, splits: list[int], reduction: dict) -> tuple:
     """The submission that reduce-scatters the 1-D `whole`, rank r keeping `splits[r]`
     elements, into `output` (directly where it is contiguous)."""
-    fields = {"op": int(op), "splits": tuple(splits)}
+    fields = {**reduction, "splits": tuple(splits)}
     if output.is_contiguous():
         return ("reducescatter", whole.contiguous(), output.view(-1), fields, None)
     return ("reducescatter", whole.contiguous(), None, fields,
             lambda mine: output.copy_(mine.view(output.shape)))
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).contiguous()
+
+
+def _single(tensors: list, call: str):
+    if len(tensors) != 1:
+        raise ValueError(f"torch.distributed.{call} on the ddl backend takes one tensor (list) "
+                         f"per call, not {len(tensors)}")
+    return tensors[0]
+
+
+def _check_parts(parts: list[torch.Tensor], size: int, call: str, argument: str) -> None:
+    if len(parts) != size:
+        raise ValueError(f"torch.distributed.{call}: {argument} has {len(parts)} tensors for a "
+                         f"group of {size}; give one per rank")
+
+
+def _copied_into(outputs: list[torch.Tensor]):
+    """What copies an allgather's 1-D result, every rank's part in rank order, into `outputs`."""
+    return lambda gathered: _copy_chunks(gathered, outputs)
 
 
 def _copy_chunks(gathered: torch.Tensor, outputs: list[torch.Tensor]) -> None:
