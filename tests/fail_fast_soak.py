@@ -40,46 +40,30 @@ import torch
 torch.manual_seed(0)
 """
 
-HEALTHY = {
-    "ddp over gloo": """
+def trains(backend: str, wrapped: str) -> str:
+    """20 steps of a small model, `wrapped` (DDP or FSDP of `net`), over `backend`; the group
+    destroyed at the end, as the README's own torch.distributed code does."""
+    return f"""
 import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
-dist.init_process_group("gloo")
-model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
-                                                    torch.nn.Linear(64, 2)))
+dist.init_process_group("{backend}")
+net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+model = {wrapped}
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(20):
     opt.zero_grad()
     torch.nn.functional.cross_entropy(model(torch.randn(32, 20)), torch.randint(0, 2, (32,))).backward()
     opt.step()
 dist.destroy_process_group()
-""",
-    "ddp over ddl": """
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-dist.init_process_group("ddl")
-model = DistributedDataParallel(torch.nn.Linear(20, 2))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(20):
-    opt.zero_grad()
-    model(torch.randn(32, 20)).sum().backward()
-    opt.step()
-dist.destroy_process_group()
-""",
-    "fsdp": """
-import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel
-dist.init_process_group("gloo")
-model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
-                                                     torch.nn.Linear(64, 2)),
-                                 device_id=torch.device("cpu"), use_orig_params=True)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for _ in range(10):
-    opt.zero_grad()
-    model(torch.randn(32, 20)).sum().backward()
-    opt.step()
-dist.destroy_process_group()
-""",
+"""
+
+
+HEALTHY = {
+    "ddp over gloo": trains("gloo", "DistributedDataParallel(net)"),
+    "ddp over ddl": trains("ddl", "DistributedDataParallel(net)"),
+    "fsdp": trains("gloo", 'FullyShardedDataParallel(net, device_id=torch.device("cpu"), '
+                           "use_orig_params=True)"),
     "hvd DistributedOptimizer": """
 import ddl_magic.torch as hvd
 hvd.init()
@@ -115,35 +99,27 @@ hvd.allreduce(torch.ones(1), name="saved")
 # The estimator runs in the soak's own process (a notebook's SparkSession), not under ddlrun.
 ESTIMATOR = "Iris TorchEstimator on local[4]"
 
+
+def fails_on_rank(rank: int, how: str) -> str:
+    """Two ranks allreduce, then `rank` says when, and fails (`how`), before the second."""
+    return f"""
+import ddl_magic.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(1))
+if hvd.rank() == {rank}:
+    print("FAILING AT", time.time(), flush=True)
+    {how}
+hvd.allreduce(torch.ones(1))
+"""
+
+
 # kind -> (the rank's code, the rank that fails, the reason ddlrun must give, deadline in s)
 FAILING = {
-    "SIGKILL": ("""
-import ddl_magic.torch as hvd
-hvd.init()
-hvd.allreduce(torch.ones(1))
-if hvd.rank() == 1:
-    print("FAILING AT", time.time(), flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-hvd.allreduce(torch.ones(1))
-""", 1, "killed by SIGKILL", 5.0),
-    "SIGSTOP": ("""
-import ddl_magic.torch as hvd
-hvd.init()
-hvd.allreduce(torch.ones(1))
-if hvd.rank() == 1:
-    print("FAILING AT", time.time(), flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-hvd.allreduce(torch.ones(1))
-""", 1, "stopped: its process has been stopped", None),  # deadline: the peer timeout, + slack
-    "raises": ("""
-import ddl_magic.torch as hvd
-hvd.init()
-hvd.allreduce(torch.ones(1))
-if hvd.rank() == 0:
-    print("FAILING AT", time.time(), flush=True)
-    raise ValueError("rank 0 is unhappy")
-hvd.allreduce(torch.ones(1))
-""", 0, "exception", 5.0),
+    "SIGKILL": (fails_on_rank(1, "os.kill(os.getpid(), signal.SIGKILL)"), 1, "killed by SIGKILL", 5.0),
+    # deadline None: the peer timeout (a stop), DDL_MAGIC_TIMEOUT (an absent rank), + slack
+    "SIGSTOP": (fails_on_rank(1, "os.kill(os.getpid(), signal.SIGSTOP)"), 1,
+                "stopped: its process has been stopped", None),
+    "raises": (fails_on_rank(0, 'raise ValueError("rank 0 is unhappy")'), 0, "exception", 5.0),
     "absent from a collective": ("""
 import ddl_magic.torch as hvd
 hvd.init()
@@ -152,7 +128,7 @@ if hvd.rank() == 0:
     hvd.allreduce(torch.ones(1), name="lonely")
 else:
     threading.Event().wait(300)
-""", 0, "collective timed out", None),  # deadline: DDL_MAGIC_TIMEOUT, + slack
+""", 0, "collective timed out", None),
 }
 SLACK_S = 2.0  # past a deadline: the driver's settle time and this script's own wake-up
 
