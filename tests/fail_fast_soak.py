@@ -229,9 +229,13 @@ class Soak:
 
 def schedule(runs: int) -> list[tuple[str, str]]:
     """(healthy or failing, workload) for each run: one in ten a failure (in a short soak, often
-    enough that every kind of failure comes once), the kinds in turn."""
-    healthy, failing = [*HEALTHY, ESTIMATOR], list(FAILING)
+    enough that every kind of failure comes once), the kinds in turn; the two slow healthy
+    workloads (the GIL held for 30 s, a Spark fit) as often as each kind of failure."""
+    failing = list(FAILING)
+    slow = ["GIL held in native code", ESTIMATOR]
+    quick = [name for name in HEALTHY if name not in slow]
     every = 10 if runs >= 10 * len(failing) else max(2, runs // len(failing))
+    healthy = quick * 3 + slow if runs >= 10 * len(failing) else [*quick, *slow]
     plan = []
     for index in range(runs):
         failures_so_far = (index + 1) // every
