@@ -442,8 +442,8 @@ class _FolderWriter(MLWriter):
         folder = _local_folder(path, type(self._instance).__name__)
         if os.path.exists(folder):
             if not self.shouldOverwrite:
-                raise FileExistsError(f"{path} exists: call model.write().overwrite().save(path) "
-                                      "to replace it")
+                raise FileExistsError(f"{path} exists: call write().overwrite().save(path) on "
+                                      f"the {type(self._instance).__name__} to replace it")
             shutil.rmtree(folder)
         os.makedirs(os.path.join(folder, METADATA_DIR))
         instance = self._instance
