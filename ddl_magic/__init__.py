@@ -6,20 +6,22 @@
     hvd.init()
     ...
 
-or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``; plain torch.distributed
-code (DDP, FSDP) runs the same way, or through pyspark's API:
+or, as a function: ``HorovodRunner(np=-2).run(train, lr=0.01)``, or decorated as on
+Databricks: ``@distributed(np=2)`` then ``train.distributed(0.01)`` (every rank's return
+value); plain torch.distributed code (DDP, FSDP) runs the same way, or through pyspark's API:
 ``TorchDistributor(num_processes=2, use_gpu=False).run(train, 0.01)``.
 """
 
 import importlib
 
-__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "TorchDistributor", "last_run",
-           "load_ipython_extension", "show_timeline"]
+__all__ = ["HorovodRunner", "RankFailedError", "RunResult", "TorchDistributor", "distributed",
+           "last_run", "load_ipython_extension", "show_timeline"]
 
 # Imported when first used, not with the package: a rank or a Spark task imports
 # `ddl_magic.<module>` and must not pay for the driver's run machinery and notebook UI.
 _DRIVER_API = {"HorovodRunner": ".runner", "RankFailedError": ".job", "RunResult": ".job",
-               "last_run": ".job", "TorchDistributor": ".torch_distributor"}
+               "last_run": ".job", "TorchDistributor": ".torch_distributor",
+               "distributed": ".decorator"}
 
 
 def __getattr__(name: str):

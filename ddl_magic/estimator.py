@@ -23,22 +23,32 @@ and rank 0's weights come back to the driver; the fitted `TorchModel` scores Dat
 Mistakes are found before any rank starts, by one Spark aggregation over the columns: a
 missing or non-numeric column, nulls, arrays of uneven length, class labels the model's
 outputs cannot score, more ranks than task slots.
+
+Both classes save in Spark ML's layout, so a `Pipeline` or fitted `PipelineModel` holding
+them saves and loads with Spark's own `save`/`load`, on classic and Connect sessions alike:
+
+    model.write().overwrite().save("/Volumes/main/default/models/iris")
+    PipelineModel.load("/Volumes/main/default/models/iris").transform(test_df)
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import tempfile
+import time
+import urllib.parse
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import cloudpickle
+import pyspark
 from pyspark import keyword_only
 from pyspark.ml import Estimator, Model
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.util import MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from .estimator_training import CHECKPOINT_LAST, TrainingPlan, train_on_shard
 
@@ -75,7 +85,7 @@ class _TorchParams(Params):
         return self.getOrDefault(self.prediction_col)
 
 
-class TorchEstimator(Estimator, _TorchParams):
+class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
     """Trains a torch model on a Spark DataFrame on `num_proc` ranks; `fit` returns a
     `TorchModel`. Parameter names follow Horovod's `horovod.spark.torch.TorchEstimator`.
 
@@ -92,6 +102,12 @@ class TorchEstimator(Estimator, _TorchParams):
       `checkpoint_dir/run_id/` after every epoch (a path every executor and the driver can
       read); a later fit with the same `run_id` resumes after the last epoch saved.
     - `timeline`: a path for every rank's timeline, as `%%horovod --timeline` records it.
+
+    `copy(extra)` (what `CrossValidator` and `TrainValidationSplit` call for each param map)
+    shares the model, optimizer and loss objects with the original, as Spark's shallow copy
+    does: a fit never changes them, it trains a copy of the model on every rank. `save(path)`
+    / `TorchEstimator.load(path)`, and a `Pipeline` holding it, keep every parameter, those
+    objects cloudpickled.
     """
 
     model = _param("model", "the torch.nn.Module to train")
@@ -161,6 +177,24 @@ class TorchEstimator(Estimator, _TorchParams):
                             classification=plan.classification,
                             history=self.last_run.result["history"])
         return self._copyValues(fitted)
+
+    def write(self) -> MLWriter:
+        """Writes this estimator as a folder in Spark ML's layout (see `_FolderWriter`)."""
+        objects = {param.name: value for param, value in self._paramMap.items()
+                   if param.name in PICKLED_PARAMS}
+        return _FolderWriter(self, {ESTIMATOR_OBJECTS_FILE: objects})
+
+    @classmethod
+    def read(cls) -> MLReader:
+        return _FolderReader(cls)
+
+    @classmethod
+    def _from_folder(cls, folder: str, metadata: dict) -> "TorchEstimator":
+        estimator = cls()
+        estimator._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(estimator, metadata)
+        estimator._set(**_unpickle(folder, ESTIMATOR_OBJECTS_FILE))
+        return estimator
 
     # ---- checks and the plan the ranks follow -------------------------------------------------
 
@@ -299,7 +333,11 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable):
 
     `getModel()` is the torch module; `history` the per-epoch metrics of its training.
     `save(path)` / `TorchModel.load(path)` use a folder on a file system the driver reads
-    (local, or a FUSE mount such as /dbfs or /Volumes).
+    (local, or a FUSE mount such as /Volumes or /dbfs), in Spark ML's layout: a fitted
+    `PipelineModel` holding it saves and loads with `PipelineModel.save`/`load`.
+
+        model.save("/tmp/iris-model")
+        TorchModel.load("/tmp/iris-model").transform(test_df)
     """
 
     @keyword_only
@@ -307,7 +345,9 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable):
                  classification=True, history=None):
         super().__init__()
         self._setDefault(prediction_col="prediction")
-        self._set(feature_cols=feature_cols, prediction_col=prediction_col)
+        # Unset, not None, where not given: a saved model's parameters must convert back.
+        given = {"feature_cols": feature_cols, "prediction_col": prediction_col}
+        self._set(**{name: value for name, value in given.items() if value is not None})
         self._model = model
         self.classification = classification
         self.history = list(history or [])
@@ -333,11 +373,21 @@ class TorchModel(Model, _TorchParams, MLWritable, MLReadable):
         return scored.drop(*scratch.values()) if scratch else scored
 
     def write(self) -> MLWriter:
-        return _TorchModelWriter(self)
+        """Writes this model as a folder in Spark ML's layout (see `_FolderWriter`)."""
+        return _FolderWriter(self, {MODEL_FILE: self._model},
+                             {"classification": self.classification, "history": self.history})
 
     @classmethod
     def read(cls) -> MLReader:
-        return _TorchModelReader()
+        return _FolderReader(cls)
+
+    @classmethod
+    def _from_folder(cls, folder: str, metadata: dict) -> "TorchModel":
+        model = cls(model=_unpickle(folder, MODEL_FILE),
+                    classification=metadata["classification"], history=metadata["history"])
+        model._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(model, metadata)
+        return model
 
 
 def _best_class(model, features):
@@ -355,43 +405,109 @@ def _regression_output(model, features):
     return outputs.reshape(len(features), -1)[:, 0].double().numpy()
 
 
-class _TorchModelWriter(MLWriter):
-    """Writes a folder: metadata.json (the parameters and history) and model.pkl."""
+# ---- saving and loading, in Spark ML's layout ------------------------------------------------
 
-    def __init__(self, instance: TorchModel):
+# Parameters that hold objects (a module, functions, an optimizer), cloudpickled instead of
+# written as JSON.
+PICKLED_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks")
+MODEL_FILE = "model.pkl"
+ESTIMATOR_OBJECTS_FILE = "params.pkl"
+METADATA_DIR = "metadata"
+
+
+class _FolderWriter(MLWriter):
+    """Saves a `TorchModel` or `TorchEstimator` as a folder in Spark ML's layout:
+
+    - `metadata/part-00000`: one line of JSON, what Spark's `DefaultParamsWriter.saveMetadata`
+      writes (class, timestamp, sparkVersion, uid, paramMap, defaultParamMap, and this class's
+      extra fields). It is what `PipelineModel.load`/`Pipeline.load` read, through
+      `DefaultParamsReader.loadParamsInstance`, to learn which class loads a stage; they then
+      call that class's `load`. Written without Spark, so that saving needs no session.
+    - cloudpickled files for what JSON cannot hold: the torch module, or the estimator's
+      object parameters.
+
+    The folder is on a file system the driver reads (local, or a FUSE mount); Spark reads
+    the metadata from the same path, so a pipeline goes to a path both see alike (a local
+    folder, or /Volumes/... on Databricks).
+    """
+
+    def __init__(self, instance: Params, pickled: dict[str, Any],
+                 extra_metadata: dict[str, Any] | None = None):
         super().__init__()
         self._instance = instance
+        self._pickled = pickled
+        self._extra_metadata = extra_metadata or {}
 
     def save(self, path: str) -> None:
-        if os.path.exists(path):
+        folder = _local_folder(path, type(self._instance).__name__)
+        if os.path.exists(folder):
             if not self.shouldOverwrite:
-                raise FileExistsError(f"{path} exists: call model.write().overwrite().save(path) "
-                                      "to replace it")
-            shutil.rmtree(path)
-        os.makedirs(path)
-        model = self._instance
-        metadata = {"class": "ddl_magic.estimator.TorchModel", "uid": model.uid,
-                    "feature_cols": model.getFeatureCols(),
-                    "prediction_col": model.getPredictionCol(),
-                    "classification": model.classification, "history": model.history}
-        with open(os.path.join(path, "metadata.json"), "w") as file:
-            json.dump(metadata, file, indent=1)
-        with open(os.path.join(path, "model.pkl"), "wb") as file:
-            cloudpickle.dump(model.getModel(), file)
+                raise FileExistsError(f"{path} exists: call write().overwrite().save(path) on "
+                                      f"the {type(self._instance).__name__} to replace it")
+            shutil.rmtree(folder)
+        os.makedirs(os.path.join(folder, METADATA_DIR))
+        instance = self._instance
+        json_params = {param.name: value for param, value in instance._paramMap.items()
+                       if param.name not in PICKLED_PARAMS}
+        json_defaults = {param.name: value for param, value in instance._defaultParamMap.items()
+                         if param.name not in PICKLED_PARAMS}
+        metadata = {"class": _class_name(type(instance)),
+                    "timestamp": int(round(time.time() * 1000)),
+                    "sparkVersion": pyspark.__version__, "uid": instance.uid,
+                    "paramMap": json_params, "defaultParamMap": json_defaults,
+                    **self._extra_metadata}
+        # As Spark's text writer leaves it: a part file, and _SUCCESS once it is complete.
+        with open(os.path.join(folder, METADATA_DIR, "part-00000"), "w") as file:
+            file.write(json.dumps(metadata, separators=(",", ":")) + "\n")
+        open(os.path.join(folder, METADATA_DIR, "_SUCCESS"), "w").close()
+        for filename, value in self._pickled.items():
+            with open(os.path.join(folder, filename), "wb") as file:
+                cloudpickle.dump(value, file)
 
 
-class _TorchModelReader(MLReader):
-    def load(self, path: str) -> TorchModel:
-        with open(os.path.join(path, "metadata.json")) as file:
-            metadata = json.load(file)
-        with open(os.path.join(path, "model.pkl"), "rb") as file:
-            module = cloudpickle.load(file)
-        model = TorchModel(model=module, feature_cols=metadata["feature_cols"],
-                           prediction_col=metadata["prediction_col"],
-                           classification=metadata["classification"],
-                           history=metadata["history"])
-        model._resetUid(metadata["uid"])
-        return model
+class _FolderReader(MLReader):
+    """Loads what `_FolderWriter` saved, as an instance of `cls`."""
+
+    def __init__(self, cls: type):
+        super().__init__()
+        self._cls = cls
+
+    def load(self, path: str):
+        folder = _local_folder(path, self._cls.__name__)
+        parts = sorted(glob.glob(os.path.join(folder, METADATA_DIR, "part-*")))
+        if not parts:
+            raise FileNotFoundError(f"{path} holds no saved {self._cls.__name__} "
+                                    f"({METADATA_DIR}/part-* is missing): give the folder that "
+                                    "save() wrote")
+        with open(parts[0]) as file:
+            metadata = json.loads(file.readline())
+        if metadata["class"] != _class_name(self._cls):
+            raise ValueError(f"{path} holds a {metadata['class']}, not a "
+                             f"{_class_name(self._cls)}: load it with that class")
+        return self._cls._from_folder(folder, metadata)
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__name__}"
+
+
+def _unpickle(folder: str, filename: str):
+    with open(os.path.join(folder, filename), "rb") as file:
+        return cloudpickle.load(file)
+
+
+def _local_folder(path: str, what: str) -> str:
+    """The local path of `path`, which Spark may give as a file: URI (a stage's folder in a
+    saved pipeline is under the pipeline's path); other file systems are refused."""
+    parsed = urllib.parse.urlparse(path)
+    if parsed.scheme == "file":
+        return parsed.path
+    if parsed.scheme:
+        raise ValueError(
+            f"a {what} is saved to a folder on a file system the driver reads, not {path!r}: "
+            "give a local path, or a FUSE path such as /Volumes/... on Databricks (for a "
+            "Pipeline or PipelineModel holding it, save the whole pipeline to such a path)")
+    return path
 
 
 # ---- the DataFrame's columns ------------------------------------------------------------------

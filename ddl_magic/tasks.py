@@ -1,5 +1,6 @@
-"""What a rank runs: a function (HorovodRunner, TorchDistributor), a notebook cell (%%horovod)
-or a script (ddlrun, TorchDistributor).
+"""What a rank runs: a function (HorovodRunner, TorchDistributor, @distributed), a notebook cell
+(%%horovod), or a Python command: a script (ddlrun, TorchDistributor), a module (`ddlrun
+python -m`) or a string of code (`ddlrun python -c`).
 
 A task is cloudpickled once on the driver and unpickled on every rank by the worker, which
 calls `run()` and sends the return value back.
@@ -11,6 +12,7 @@ import ast
 import linecache
 import runpy
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,3 +66,47 @@ class ScriptTask:
     def run(self) -> None:
         sys.argv = [self.path, *self.args]
         runpy.run_path(self.path, run_name="__main__")
+
+
+@dataclass
+class ModuleTask:
+    """`python -m module args...`, as `ddlrun` asks; its exit status is the rank's.
+
+    As Python's `-m` does, the module runs as `__main__` (a package runs its `__main__`
+    submodule) with `sys.argv[0]` its file's path.
+    """
+
+    module: str
+    args: list[str]
+
+    def run(self) -> None:
+        sys.argv = [self.module, *self.args]  # runpy replaces argv[0] with the module's file
+        runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+
+
+@dataclass
+class CodeTask:
+    """`python -c code args...`, as `ddlrun` asks; its exit status is the rank's.
+
+    As Python's `-c` does, the code runs as the module `__main__` with `sys.argv[0]` "-c".
+    """
+
+    code: str
+    args: list[str]
+    filename: str = "<string>"
+
+    def run(self) -> None:
+        sys.argv = ["-c", *self.args]
+        # Registered so that tracebacks quote the code's own lines.
+        linecache.cache[self.filename] = (len(self.code), None, self.code.splitlines(True),
+                                          self.filename)
+        main = types.ModuleType("__main__")
+        main.__builtins__ = __builtins__
+        # A real module in sys.modules, so that what the code defines pickles by reference
+        # (multiprocessing, torch.save), as under `python -c`.
+        previous = sys.modules["__main__"]
+        sys.modules["__main__"] = main
+        try:
+            exec(compile(self.code, self.filename, "exec"), main.__dict__)
+        finally:
+            sys.modules["__main__"] = previous

@@ -1,4 +1,5 @@
-"""`ddlrun` from a terminal: prefixed output, failures, a killed rank, Ctrl-C, bad usage."""
+"""`ddlrun` from a terminal: Python commands as `python` runs them, prefixed output, failures, a
+killed rank, Ctrl-C, bad usage."""
 
 import os
 import queue
@@ -10,7 +11,22 @@ import time
 
 import pytest
 
+# What every form of Python command runs below: each rank reports how it was started and
+# takes part in an allreduce, then rank 1 exits with the status its last argument names.
+REPORTS_AND_EXITS = """
+import os, sys, torch, ddl_magic.torch as hvd
+hvd.init()
+total = int(hvd.allreduce(torch.tensor(1), op=hvd.Sum))
+print(f"rank {hvd.rank()}: {__name__} {os.path.basename(sys.argv[0])} {sys.argv[1:]} sum {total}")
+hvd.barrier()
+sys.exit(int(sys.argv[-1]) if hvd.rank() == 1 else 0)
+"""
+
 SCRIPTS = {
+    "reports.py": REPORTS_AND_EXITS,
+    "reporting_module.py": REPORTS_AND_EXITS,
+    "reporting_package/__init__.py": "",
+    "reporting_package/__main__.py": REPORTS_AND_EXITS,
     "hello.py": """
 import ddl_magic.torch as hvd
 hvd.init()
@@ -77,6 +93,7 @@ hvd.barrier()
 def scripts(tmp_path_factory):
     folder = tmp_path_factory.mktemp("scripts")
     for name, text in SCRIPTS.items():
+        (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text(text)
     return folder
 
@@ -133,6 +150,30 @@ def process_exists(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("command, argv0", [
+    (["python", "reports.py"], "reports.py"),
+    (["reports.py"], "reports.py"),
+    (["python", "-m", "reporting_module"], "reporting_module.py"),
+    (["python", "-m", "reporting_package"], "__main__.py"),
+    (["python", "-u", "-c", REPORTS_AND_EXITS], "-c"),
+], ids=["python script", "script", "python -m module", "python -m package", "python -c"])
+def test_a_python_command_runs_on_every_rank_as_python_runs_it(scripts, command, argv0):
+    result = ddlrun("-np", "2", *command, "--flag", "3", cwd=scripts)
+    assert result.returncode == 3, result.stderr  # rank 1's sys.exit(3)
+    assert "rank 1" in result.stderr and "exit code 3" in result.stderr
+    for rank in range(2):
+        assert f"[{rank}] rank {rank}: __main__ {argv0} ['--flag', '3'] sum 2" in result.stdout
+
+
+def test_code_given_with_c_is_quoted_in_its_traceback(scripts):
+    code = "import sys\nraise ValueError('unhappy with ' + sys.argv[1])"
+    result = ddlrun("-np", "2", "python", "-c", code, "everything", cwd=scripts)
+    assert result.returncode == 1
+    assert 'File "<string>", line 2, in <module>' in result.stderr
+    assert "raise ValueError('unhappy with ' + sys.argv[1])" in result.stderr
+    assert "ValueError: unhappy with everything" in result.stderr
 
 
 def test_every_line_is_prefixed_with_its_rank(scripts):
@@ -229,8 +270,14 @@ def test_ctrl_c_stops_every_rank(scripts, inherited):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-np", "2"], "give the script to run"),
+    (["-np", "2"], "give the command to run"),
     (["-np", "2", "python", "missing.py"], "not found"),
+    (["-np", "2", "ls", "-l"], "'ls' is not a Python script. ddlrun runs a Python command"),
+    (["-np", "2", "python"], "give the script to run after 'python'"),
+    (["-np", "2", "python", "-m"], "-m needs the module to run"),
+    (["-np", "2", "python", "-m", "no_such_module"], "module 'no_such_module' not found"),
+    (["-np", "2", "python", "-c"], "-c needs the code to run"),
+    (["-np", "2", "python", "-O", "hello.py"], "python option '-O' is not passed on"),
     (["-np", "0", "hello.py"], "-np must be at least 1"),
     (["-np", "2", "--env", "NOEQUALS", "hello.py"], "expected KEY=VALUE"),
 ])

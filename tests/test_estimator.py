@@ -15,9 +15,10 @@ import pytest
 import torch
 
 pytest.importorskip("pyspark")
-from pyspark.ml import Pipeline
+from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
-from pyspark.ml.feature import VectorAssembler
+from pyspark.ml.feature import StandardScaler, VectorAssembler
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions
 
 from ddl_magic.datasets import IRIS_FEATURES, load_iris
@@ -165,6 +166,96 @@ def test_save_and_load_give_the_same_predictions_and_history(spark, tmp_path):
     assert [row.prediction for row in loaded.transform(df).orderBy("id").collect()] == predictions
 
 
+def test_a_model_saves_to_a_folder_the_driver_reads_and_loads_as_its_own_class(tmp_path):
+    model = TorchModel(model=torch.nn.Linear(2, 2), feature_cols=["x"], history=[{"loss": 1.0}])
+    with pytest.raises(ValueError, match="TorchModel is saved to a folder .* not 's3://b/model'"):
+        model.save("s3://b/model")
+    model.save(f"file://{tmp_path}/model")  # as Spark names a pipeline's stage folders
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getFeatureCols() == ["x"] and loaded.history == [{"loss": 1.0}]
+    with pytest.raises(ValueError, match="holds a ddl_magic.estimator.TorchModel, not a "
+                                         "ddl_magic.estimator.TorchEstimator"):
+        TorchEstimator.load(str(tmp_path / "model"))
+    with pytest.raises(FileNotFoundError, match="holds no saved TorchModel"):
+        TorchModel.load(str(tmp_path))
+
+
+def scaled_pipeline(estimator):
+    """Spark's own stages before ours: an assembler, and a scaler that is fitted too."""
+    return [VectorAssembler(inputCols=["id_feature", "x"], outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="scaled"), estimator]
+
+
+def predictions(model, df) -> list[float]:
+    return [row.prediction for row in model.transform(df).orderBy("id").collect()]
+
+
+def test_a_fitted_pipeline_saves_and_loads_with_spark_ml_persistence(spark, tmp_path):
+    df = numbered_rows(spark, 60, 2)
+    estimator = noting_estimator(tmp_path, feature_cols=["scaled"], epochs=2)
+    fitted = Pipeline(stages=scaled_pipeline(estimator)).fit(df)
+    path = str(tmp_path / "pipeline_model")
+    fitted.save(path)
+
+    loaded = PipelineModel.load(path)
+    torch_model, loaded_torch_model = fitted.stages[-1], loaded.stages[-1]
+    assert isinstance(loaded_torch_model, TorchModel)
+    assert loaded_torch_model.uid == torch_model.uid
+    assert loaded_torch_model.history == torch_model.history
+    trained = torch_model.getModel().state_dict()
+    for name, weights in loaded_torch_model.getModel().state_dict().items():
+        assert torch.equal(weights, trained[name]), name
+    assert predictions(loaded, df) == predictions(fitted, df)
+
+
+def test_a_pipeline_with_an_unfitted_estimator_saves_loads_and_fits_alike(spark, tmp_path):
+    df = numbered_rows(spark, 60, 2)
+    estimator = noting_estimator(tmp_path, feature_cols=["scaled"], epochs=2, batch_size=5,
+                                 metrics=["accuracy"])
+    pipeline = Pipeline(stages=scaled_pipeline(estimator))
+    path = str(tmp_path / "pipeline")
+    pipeline.save(path)
+
+    loaded = Pipeline.load(path)
+    loaded_estimator = loaded.getStages()[-1]
+    assert isinstance(loaded_estimator, TorchEstimator) and loaded_estimator.uid == estimator.uid
+    assert loaded_estimator.getOrDefault("batch_size") == 5
+    assert loaded_estimator.getOrDefault("metrics") == ["accuracy"]
+    loaded_optimizer = loaded_estimator.getOrDefault("optimizer")
+    assert type(loaded_optimizer) is torch.optim.SGD and loaded_optimizer.defaults["lr"] == 0.1
+    # Fitted from the same initial weights with the same seed: the same model.
+    refitted, fitted = loaded.fit(df), pipeline.fit(df)
+    trained = fitted.stages[-1].getModel().state_dict()
+    for name, weights in refitted.stages[-1].getModel().state_dict().items():
+        assert torch.equal(weights, trained[name]), name
+    assert predictions(refitted, df) == predictions(fitted, df)
+
+
+def test_cross_validation_fits_each_param_map_on_a_copy(spark, tmp_path):
+    df = numbered_rows(spark, 80, 2)
+    estimator = noting_estimator(tmp_path)
+    initial = {name: weights.clone() for name, weights in
+               estimator.getOrDefault("model").state_dict().items()}
+    own_optimizer = estimator.getOrDefault("optimizer")
+    parameters = list(estimator.getOrDefault("model").parameters())
+    frozen, learning = (torch.optim.SGD(parameters, lr=0.0), torch.optim.SGD(parameters, lr=0.5))
+    grid = ParamGridBuilder().addGrid(estimator.optimizer, [frozen, learning]).build()
+    validator = CrossValidator(estimator=estimator, estimatorParamMaps=grid, numFolds=2,
+                               evaluator=MulticlassClassificationEvaluator(metricName="accuracy"),
+                               collectSubModels=True, seed=1)
+    cross_validated = validator.fit(df)
+
+    assert len(cross_validated.avgMetrics) == 2
+    for fold in cross_validated.subModels:
+        unchanged, trained = (model.getModel().state_dict() for model in fold)
+        assert all(torch.equal(unchanged[name], initial[name]) for name in initial)  # lr=0
+        assert not all(torch.equal(trained[name], initial[name]) for name in initial)
+    assert isinstance(cross_validated.bestModel, TorchModel)
+    assert estimator.getOrDefault("optimizer") is own_optimizer
+    assert estimator.getOrDefault("model").state_dict()["linear.weight"].equal(
+        initial["linear.weight"]), "fitting changed the estimator's own model"
+
+
 def test_a_second_fit_with_the_same_run_id_resumes_after_the_last_epoch(spark, tmp_path):
     df = numbered_rows(spark, 40, 2)
     notes, checkpoints = tmp_path / "notes", str(tmp_path / "checkpoints")
@@ -236,6 +327,11 @@ def test_it_is_a_spark_ml_estimator(tmp_path):
     copy = estimator.copy({estimator.epochs: 5})
     assert copy.getOrDefault(copy.epochs) == 5 and estimator.getOrDefault(estimator.epochs) == 3
     assert copy.uid == estimator.uid
+    other = torch.optim.Adam(estimator.getOrDefault("model").parameters())
+    with_adam = estimator.copy({estimator.optimizer: other})
+    assert with_adam.getOrDefault("optimizer") is other
+    assert estimator.getOrDefault("optimizer") is not other
+    assert with_adam.getOrDefault("model") is estimator.getOrDefault("model")
     explained = estimator.explainParams()
     for name in ("model", "optimizer", "loss", "feature_cols", "label_cols", "batch_size",
                  "epochs", "num_proc", "validation", "shuffle", "metrics", "callbacks", "run_id",
