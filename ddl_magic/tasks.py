@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import os
 import runpy
 import sys
 import types
@@ -65,6 +66,8 @@ class ScriptTask:
 
     def run(self) -> None:
         sys.argv = [self.path, *self.args]
+        # As `python sub/train.py` does: modules beside the script import.
+        sys.path.insert(0, os.path.dirname(os.path.abspath(self.path)))
         runpy.run_path(self.path, run_name="__main__")
 
 

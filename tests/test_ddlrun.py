@@ -285,3 +285,14 @@ def test_bad_usage_says_what_to_do(scripts, args, message):
     result = ddlrun(*args, cwd=scripts)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_script_in_another_folder_imports_the_modules_beside_it(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("GREETING = 'hello from beside the script'\n")
+    (folder / "train.py").write_text("import helpers\nprint(helpers.GREETING)\n")
+    result = ddlrun("-np", "2", "python", "project/train.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[0] hello from beside the script" in result.stdout
+    assert "[1] hello from beside the script" in result.stdout
