@@ -36,7 +36,7 @@ import cloudpickle
 
 from .events import FailureKind
 from .messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
-                       TimelineEvents)
+                       TimelineEvents, TimelineStart)
 from .output_lines import LineSplitter
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
@@ -52,8 +52,7 @@ TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# The control channel of this process's run, for runtime calls that talk to the driver
-# (hvd.start_timeline). None outside a launched rank.
+# The control channel of this process's run. None outside a launched rank.
 control: Channel | None = None
 _shipper: "_TimelineShipper | None" = None
 _leaving = threading.Event()  # set once the rank has finished: losing the driver is expected then
@@ -106,7 +105,7 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
             raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
     os.environ.update(settings["env"])
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
-    context.bootstrap = context.RankBootstrap(rank, peers, secret, listener)
+    context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
     torch_backend.register()
     keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
@@ -206,6 +205,20 @@ def _obey_driver(channel: Channel) -> None:
         pass  # the driver went away
     if not _leaving.is_set():
         os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
+
+
+class _DriverLink:
+    """The runtime's way to the driver (`runtime.context.DriverLink`): this rank's channel."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+
+    def start_timeline(self, path: str) -> None:
+        self._channel.send(TimelineStart(path))
+        start_timeline_shipping()
+
+    def stop_timeline(self) -> None:
+        stop_timeline_shipping()
 
 
 def start_timeline_shipping() -> None:
@@ -316,8 +329,8 @@ class _ForwardedOutput:
 
 
 if __name__ == "__main__":
-    # Run as the module ddl_magic.worker, not as __main__: the runtime (hvd.start_timeline)
-    # looks for this rank's control channel there.
+    # Run as the module ddl_magic.worker, not as __main__: one copy of this module's state
+    # (the control channel, the timeline shipper), whoever imports it.
     from ddl_magic import worker
 
     worker.main()

@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import NotInitializedError
 from .collectives import CollectiveRunner
@@ -25,6 +26,17 @@ from .transport import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
 
+class DriverLink(Protocol):
+    """What a launched rank's runtime may ask of the driver that launched it (the worker
+    provides it, over the rank's control channel)."""
+
+    def start_timeline(self, path: str) -> None:
+        """Record this rank's timeline; the driver writes the run's trace to `path`."""
+
+    def stop_timeline(self) -> None:
+        """Stop recording; what was recorded still reaches the driver."""
+
+
 @dataclass
 class RankBootstrap:
     """Everything a launched rank knows before `init()`: set by `ddl_magic.worker`."""
@@ -33,6 +45,7 @@ class RankBootstrap:
     peers: list[Peer]
     secret: bytes
     listener: socket.socket
+    driver: DriverLink | None = None  # None where no driver launched it (a test's own ring)
 
 
 @dataclass

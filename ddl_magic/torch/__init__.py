@@ -28,11 +28,13 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   broadcast_async, broadcast_async_, cross_rank, cross_size, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                  grouped_reducescatter_async, init, is_homogeneous, is_initialized, join,
-                  local_rank, local_size, poll, rank, reducescatter, reducescatter_async, shutdown,
-                  size, sparse_allreduce_async, synchronize)
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+                  grouped_reducescatter_async, is_homogeneous, join, local_rank, local_size, poll,
+                  rank, reducescatter, reducescatter_async, size, sparse_allreduce_async,
+                  synchronize)
+from .distributed_optimizer import DistributedOptimizer
+from .lifecycle import init, is_initialized, shutdown
+from .process_set_rings import add_process_set, remove_process_set
+from .process_sets import ProcessSet, global_process_set
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline, timeline_span
 

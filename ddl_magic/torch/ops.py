@@ -27,7 +27,7 @@ from ..runtime.op_queue import Handle
 from ..runtime.reduce_ops import ReduceOp, as_reduce_op
 from ..runtime.world import World
 from .compression import Compression
-from .process_sets import (active, active_runtime, add_at_init, entered, global_process_set,
+from .process_sets import (active, active_runtime, entered, global_process_set,
                            on_process_set)
 
 Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM,
@@ -73,31 +73,6 @@ def _backward_over_forward_set(function: type[torch.autograd.Function]):
 
     function.forward, function.backward = staticmethod(forward_in_set), staticmethod(backward_in_set)
     return function
-
-
-def init(comm=None, process_sets=None) -> None:
-    """Join the run's ring (or become a world of one outside a launcher). Safe to call twice.
-
-    `process_sets` (a list of `hvd.ProcessSet`) are added right away, as with
-    `hvd.add_process_set`; "dynamic" (Horovod's switch for adding them later) changes
-    nothing, since they can always be added later. Horovod's `comm` (an MPI communicator)
-    is refused: ddl_magic does not use MPI.
-    """
-    if comm is not None:
-        raise NotImplementedError(
-            "init(comm=...): ddl_magic starts its ranks itself and does not use MPI; call "
-            "hvd.init() and launch with %%horovod, HorovodRunner or ddlrun")
-    context.init()
-    add_at_init(process_sets)
-
-
-def shutdown() -> None:
-    """Leave the ring; collectives raise until the next `init()`."""
-    context.shutdown()
-
-
-def is_initialized() -> bool:
-    return context.is_initialized()
 
 
 def rank() -> int:

@@ -5,10 +5,9 @@
     ...     hvd.allreduce(tensor, process_set=evens)     # over ranks 0 and 2 only
     >>> hvd.remove_process_set(evens)                   # every rank again
 
-A process set is a ring of its own, formed when it is added: its members open a listener,
-every rank learns their ports through one allgather over the run's ring (which also checks
-that every rank added the same set), and the members connect as `init()` connects all ranks,
-with shared memory where they share a host. Operations on different sets run independently.
+A process set is a ring of its own, formed when it is added (`process_set_rings.py`).
+This module knows the sets and which one an operation runs over; operations on different
+sets run independently.
 
 As in Horovod, ranks in arguments stay global (`broadcast(t, root_rank=2, process_set=evens)`),
 and `evens.rank()` is a rank's position within its set, the order of an allgather's results.
@@ -58,7 +57,7 @@ class ProcessSet:
         return context.current("ProcessSet.included").world.rank in self.ranks
 
     def check_added(self, api: str) -> None:
-        if _registry(api).get(self.process_set_id) is not self:
+        if added_sets(api).get(self.process_set_id) is not self:
             raise ValueError(f"{api}: {self} is not added (or was removed); call "
                              "hvd.add_process_set on every rank first")
 
@@ -101,7 +100,8 @@ _added: dict[int, ProcessSet] = {}
 _added_under: list = [None]  # the global Runtime they were added under (init() starts afresh)
 
 
-def _registry(api: str) -> dict[int, ProcessSet]:
+def added_sets(api: str) -> dict[int, ProcessSet]:
+    """The sets added under the current ring, by id (`api`: what asks, for its error)."""
     everyone = context.current(api)
     if _added_under[0] is not everyone:
         for process_set in _added.values():
@@ -109,80 +109,6 @@ def _registry(api: str) -> dict[int, ProcessSet]:
         _added.clear()
         _added_under[0] = everyone
     return _added
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Form a process set over `process_set`'s ranks (a ProcessSet or a list of ranks) and
-    return it. Every rank of the run calls this, in the same order, with the same ranks.
-
-    Every rank's ranks are gathered before anything is checked, so a refusal (ranks that
-    differ between ranks, a duplicate set) is raised on every rank alike, and the run goes on.
-    """
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    everyone = context.current("add_process_set").world
-    registry = _registry("add_process_set")
-    ranks = process_set.ranks
-    set_id = max(registry, default=0) + 1
-    listener = context.subset_listener() if everyone.rank in ranks else None
-    try:
-        offers = _every_ranks((ranks, listener and listener.getsockname()[1]),
-                              f"add_process_set.{set_id}")
-        for other, (their_ranks, _) in enumerate(offers):
-            if their_ranks != ranks:
-                raise ValueError(f"add_process_set: every rank must add the same sets in the "
-                                 f"same order; rank {everyone.rank} added {ranks} as set "
-                                 f"{set_id}, rank {other} added {their_ranks}")
-        if not ranks or not all(0 <= r < everyone.size for r in ranks) or len(set(ranks)) < len(ranks):
-            raise ValueError(f"add_process_set: {ranks} must be distinct ranks of this run, "
-                             f"0 to {everyone.size - 1}")
-        if ranks == global_process_set.ranks or any(s.ranks == ranks for s in registry.values()):
-            raise ValueError(f"Attempted to add a duplicate process set: {process_set} (a set "
-                             "of these ranks exists; use it)")
-        if process_set.process_set_id is not None:
-            raise ValueError(f"add_process_set: {process_set} is added already")
-    except BaseException:
-        if listener is not None:
-            listener.close()
-        raise
-    if listener is not None:
-        ports = {rank: port for rank, (_, port) in enumerate(offers) if port is not None}
-        process_set._runtime = context.connect_subset(tuple(ranks), ports, listener)
-    process_set.process_set_id = set_id
-    registry[set_id] = process_set
-    return process_set
-
-
-def _every_ranks(obj, name: str) -> list:
-    """Every rank's `obj`, gathered over the run's ring whatever set is active."""
-    from .functions import allgather_object  # it is built on the operations, which use this module
-
-    with entered(global_process_set):
-        return allgather_object(obj, name=name)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Close a process set on every rank (each calls this); False if it was not added, or is
-    the global one (which stays)."""
-    if process_set.process_set_id in (None, 0) or _registry("remove_process_set").get(
-            process_set.process_set_id) is not process_set:
-        return False
-    del _added[process_set.process_set_id]
-    runtime, process_set._runtime, process_set.process_set_id = process_set._runtime, None, None
-    if runtime is not None:
-        context.close_subset(runtime)
-    return True
-
-
-def add_at_init(process_sets) -> None:
-    """`hvd.init(process_sets=...)`: a list of sets to add now ("dynamic": add them later)."""
-    if process_sets is None or process_sets == "dynamic":
-        return
-    if isinstance(process_sets, (str, bytes)):
-        raise ValueError(f"init(process_sets={process_sets!r}): give a list of ProcessSet, or "
-                         "'dynamic'")
-    for process_set in process_sets:
-        add_process_set(process_set)
 
 
 # ---- which set an operation runs over ----------------------------------------------------

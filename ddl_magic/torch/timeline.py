@@ -16,8 +16,7 @@ from __future__ import annotations
 import socket
 from typing import ContextManager
 
-from .. import worker
-from ..messages import TimelineStart
+from ..runtime import context
 from ..runtime.timeline import recorder
 
 _standalone_path: str | None = None
@@ -32,9 +31,8 @@ def timeline_span(name: str, **args) -> ContextManager:
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording the timeline to `file_path` (Chrome trace format)."""
     global _standalone_path
-    if worker.control is not None:
-        worker.control.send(TimelineStart(str(file_path)))
-        worker.start_timeline_shipping()
+    if (driver := _driver()) is not None:  # a launched rank: the driver writes the trace
+        driver.start_timeline(str(file_path))
     else:
         _standalone_path = str(file_path)
         recorder.enabled = True
@@ -44,8 +42,8 @@ def stop_timeline() -> None:
     """Stop recording; everything recorded so far is written (in a plain script: the Chrome
     trace at the path given to `start_timeline` and its columnar copy beside it)."""
     global _standalone_path
-    if worker.control is not None:
-        worker.stop_timeline_shipping()
+    if (driver := _driver()) is not None:
+        driver.stop_timeline()
         return
     recorder.enabled = False
     if _standalone_path is not None:
@@ -55,3 +53,7 @@ def stop_timeline() -> None:
             trace.add_rank(0, socket.gethostname())
             trace.write(0, recorder.drain())
         _standalone_path = None
+
+
+def _driver() -> "context.DriverLink | None":
+    return context.bootstrap.driver if context.bootstrap is not None else None
