@@ -29,9 +29,8 @@ from .liveness import ProcessState
 from .messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register,
                        Start, TaskAlive, TaskExited, TaskOutput, TaskStarted, TimelineEvents,
                        TimelineStart)
-from .protocol import AuthenticationError, Channel, PeerClosedError
+from .protocol import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
 
-HANDSHAKE_TIMEOUT_S = 10.0
 _PROCESS_STATES = {state.value for state in ProcessState}
 
 

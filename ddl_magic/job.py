@@ -40,7 +40,8 @@ FAILURE_SETTLE_S = 0.3
 # Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
 # reported after everything it wrote: wait that long at most for its last words.
 LAST_WORDS_TIMEOUT_S = 3.0
-START_TIMEOUT_S = 120.0
+# Every rank must have connected and registered by then (a Spark stage may wait for slots).
+REGISTER_TIMEOUT_S = 120.0
 
 
 class RunTimeoutError(TimeoutError):
@@ -220,11 +221,11 @@ class _RunWatcher:
                 raise RunTimeoutError(
                     f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
                     f"Logs: {self.record.log_dir}")
-            if now - started > START_TIMEOUT_S and len(server.registered) < self.record.np:
+            if now - started > REGISTER_TIMEOUT_S and len(server.registered) < self.record.np:
                 missing = sorted(set(range(self.record.np)) - server.registered)
                 self.record.status = "failed"
                 raise RuntimeError(
-                    f"ranks {missing} did not connect within {START_TIMEOUT_S:.0f} s "
+                    f"ranks {missing} did not connect within {REGISTER_TIMEOUT_S:.0f} s "
                     f"({self.record.where}{self._placed_on(missing)}); see their logs in "
                     f"{self.record.log_dir}")
             try:

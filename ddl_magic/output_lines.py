@@ -9,6 +9,7 @@ finished bar does not show twice.
 from __future__ import annotations
 
 import codecs
+from typing import Callable
 
 Line = tuple[str, bool]  # (text without its ending, whether it replaces the previous line)
 
@@ -45,3 +46,15 @@ class LineSplitter:
         self._pending += self._decoder.decode(b"", final=True)
         text, self._pending = self._pending, ""
         return [(text, self._after_carriage_return)] if text else []
+
+
+def forward_lines(read: Callable[[], bytes], send: Callable[[list[Line]], None]) -> None:
+    """Read a stream to its end (`read()` returns b"" there) and `send` its lines as they
+    complete, then its unfinished last line: what forwards a rank's output, wherever it is
+    read (the rank itself, the Spark task that started it)."""
+    splitter = LineSplitter()
+    while chunk := read():
+        if lines := splitter.feed(chunk):
+            send(lines)
+    if last := splitter.finish():
+        send(last)

@@ -34,6 +34,9 @@ _LENGTH = struct.Struct("!Q")
 ABORTED_EXIT_CODE = 143  # 128 + SIGTERM: what a rank exits with when the driver stops it
 _NONCE_BYTES = 32
 _HANDSHAKE_FRAME_LIMIT = 256
+# How long a peer that connected may take to prove the run's secret (and, for a rank, to
+# register) before the connection is dropped.
+HANDSHAKE_TIMEOUT_S = 10.0
 PEER_TIMEOUT_VARIABLE = "DDL_MAGIC_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 10.0
 _KEEPALIVE_PROBES = 3
@@ -98,6 +101,31 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise PeerClosedError("connection closed by peer")
         received += n
+
+
+def frame(data: bytes) -> bytes:
+    """`data` as one frame: its length (8 bytes, big-endian), then the bytes themselves. Every
+    connection of a run, and the rank factory's pipes, carry messages framed so."""
+    return _LENGTH.pack(len(data)) + data
+
+
+class FrameBuffer:
+    """Frames out of a stream read in pieces of any size (a pipe, read as it becomes
+    readable): feed it what arrived, get back the frames now complete."""
+
+    def __init__(self):
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        frames = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if len(self._buffer) < _LENGTH.size + length:
+                break
+            frames.append(self._buffer[_LENGTH.size:_LENGTH.size + length])
+            self._buffer = self._buffer[_LENGTH.size + length:]
+        return frames
 
 
 def _send_frame(sock: socket.socket, data: bytes) -> None:

@@ -37,7 +37,7 @@ import cloudpickle
 from .events import FailureKind
 from .messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
                        TimelineEvents, TimelineStart)
-from .output_lines import LineSplitter
+from .output_lines import forward_lines
 from .protocol import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .rank_environment import rank_environment, reserve_port
 from .runtime import context
@@ -319,13 +319,9 @@ class _ForwardedOutput:
             reader.join(timeout=10)
 
     def _forward(self, read_end: int, stream: str) -> None:
-        splitter = LineSplitter()
         with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(65536):
-                if lines := splitter.feed(chunk):
-                    self._channel.send(Output(stream, lines))
-        if last := splitter.finish():
-            self._channel.send(Output(stream, last))
+            forward_lines(lambda: pipe.read(65536),
+                          lambda lines: self._channel.send(Output(stream, lines)))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from ..events import ProcessExited, RankOutput, RankProcessState
 from ..messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
 from .rank_factory import FrameReader, write_frame
 
-START_TIMEOUT_S = 60.0
+FORK_TIMEOUT_S = 60.0  # for the rank factory to fork a rank it was asked for
 
 
 class _RankFactory:
@@ -57,10 +57,10 @@ class _RankFactory:
             self._state_listeners[("request", request_id)] = on_state
             write_frame(self._process.stdin.fileno(), dataclasses.replace(request, id=request_id))
         try:
-            pid = reply.get(timeout=START_TIMEOUT_S)
+            pid = reply.get(timeout=FORK_TIMEOUT_S)
         except queue.Empty:
             raise RuntimeError("the rank factory did not start a rank within "
-                               f"{START_TIMEOUT_S:.0f} s") from None
+                               f"{FORK_TIMEOUT_S:.0f} s") from None
         if pid is None:
             raise RuntimeError("the rank factory exited before starting the rank; the next run "
                                "starts a new one")

@@ -33,7 +33,6 @@ import os
 import pickle
 import select
 import signal
-import struct
 import sys
 import time
 import traceback
@@ -42,41 +41,33 @@ from dataclasses import dataclass, field
 from ..liveness import ProcessState, process_state
 from ..messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
 from ..output_lines import LineSplitter
+from ..protocol import FrameBuffer, frame
 
-_LENGTH = struct.Struct("!Q")
 # How often the factory reads its ranks' states: a stop is reported this long after it at
 # most, well within the shortest peer timeout (2 s).
 STATE_POLL_S = 0.25
 
 
 def write_frame(fd: int, message: object) -> None:
-    data = pickle.dumps(message)
-    view = memoryview(_LENGTH.pack(len(data)) + data)
+    """Send `message` down the pipe `fd`, framed as every connection of a run frames it."""
+    view = memoryview(frame(pickle.dumps(message)))
     while view:
         view = view[os.write(fd, view):]
 
 
 class FrameReader:
-    """Reassembles length-prefixed pickles from a pipe read in arbitrary pieces."""
+    """The messages coming up a pipe read in arbitrary pieces."""
 
     def __init__(self, fd: int):
         self.fd = fd
-        self._buffer = b""
+        self._frames = FrameBuffer()
 
     def read(self) -> list[object] | None:
         """The complete messages now available, or None at end of file."""
         chunk = os.read(self.fd, 65536)
         if not chunk:
             return None
-        self._buffer += chunk
-        messages = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if len(self._buffer) < _LENGTH.size + length:
-                break
-            messages.append(pickle.loads(self._buffer[_LENGTH.size:_LENGTH.size + length]))
-            self._buffer = self._buffer[_LENGTH.size + length:]
-        return messages
+        return [pickle.loads(data) for data in self._frames.feed(chunk)]
 
 
 @dataclass

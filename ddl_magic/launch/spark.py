@@ -338,15 +338,10 @@ def _run_rank_task(control_address, secret, tail_lines, report_interval, hand_ov
                     os.close(fd)
             pipe.write(secret)
         if relay is not None:
-            from ddl_magic.output_lines import LineSplitter
+            from ddl_magic.output_lines import forward_lines
 
             def forward(pipe, stream):
-                lines = LineSplitter()
-                while chunk := pipe.read1(65536):
-                    if complete := lines.feed(chunk):
-                        relay.output(stream, complete)
-                if last := lines.finish():
-                    relay.output(stream, last)
+                forward_lines(lambda: pipe.read1(65536), lambda lines: relay.output(stream, lines))
 
             forwarders = [threading.Thread(target=forward, args=(pipe, stream), daemon=True)
                           for pipe, stream in ((process.stdout, "stdout"), (process.stderr, "stderr"))]

@@ -19,14 +19,14 @@ import socket
 import threading
 import time
 
-from ..protocol import AuthenticationError, Channel, PeerClosedError, recv_exactly
+from ..protocol import (HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError,
+                        recv_exactly)
 from .errors import PeerLostError
 from .world import World
 
 # Below this size a send is done on the calling thread: the socket buffers (>= 144 KiB on
 # Linux loopback: 16 KiB send + 128 KiB receive) absorb it even if the peer is sending too.
 INLINE_SEND_BYTES = 32 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class PendingSend:
