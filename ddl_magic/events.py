@@ -53,7 +53,7 @@ class FailureKind(enum.Enum):
     TASK_FAILED = "task failed"  # Spark reported its task (or the job) failing
     VANISHED = "vanished"  # its connection closed with no report, and no exit status came
     UNREACHABLE = "unreachable"  # its connection timed out: its host stopped answering
-    SILENT = "silent"  # its process has been stopped (SIGSTOP, a debugger) for the peer timeout
+    STOPPED = "stopped"  # its process has been stopped (SIGSTOP, a debugger) for the peer timeout
     RAISED = "raised"  # its code raised (or exited with a non-zero status)
     LOST_PEER = "lost a peer"  # it raised because another rank or host was lost: a consequence
 
@@ -64,7 +64,7 @@ class FailureKind(enum.Enum):
 # "connection reset" in every rank whose peer was killed, and that report can arrive first.
 ROOT_CAUSE_ORDER = {FailureKind.DIED: 0, FailureKind.FAILED_TO_START: 0,
                     FailureKind.TASK_FAILED: 0, FailureKind.VANISHED: 1,
-                    FailureKind.UNREACHABLE: 1, FailureKind.SILENT: 1, FailureKind.RAISED: 2,
+                    FailureKind.UNREACHABLE: 1, FailureKind.STOPPED: 1, FailureKind.RAISED: 2,
                     FailureKind.LOST_PEER: 3}
 
 

@@ -252,7 +252,7 @@ class _RunWatcher:
                 continue
             if verdict is Verdict.STOPPED:
                 self.handle(RankFailed(
-                    rank, record.host, FailureKind.SILENT, "",
+                    rank, record.host, FailureKind.STOPPED, "",
                     f"stopped: its process has been stopped for {timeout:g} s (by SIGSTOP, "
                     "Ctrl-Z, or a debugger)", at_ns=time.monotonic_ns()))
             else:
@@ -268,7 +268,7 @@ class _RunWatcher:
             return False
         return (not self._exits_follow_output or since_first_failure >= LAST_WORDS_TIMEOUT_S
                 or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures
-                       if f.kind not in (FailureKind.UNREACHABLE, FailureKind.SILENT)))
+                       if f.kind not in (FailureKind.UNREACHABLE, FailureKind.STOPPED)))
 
     def handle(self, event) -> None:
         record = self.record
@@ -455,12 +455,12 @@ class _RunWatcher:
         """When the first failure is a rank that vanished, the ranks of its host that
         vanished too were lost with it (also those that did after the run was stopped, if
         no exit status came for them: what would report it went with them). When it is a
-        host that stopped answering (a connection timed out, or every rank there fell
-        silent), every rank there is lost, whether its own connection has timed out yet or
-        not. Say so, naming the host."""
+        host that stopped answering (a connection timed out, or the reports of the tasks
+        there stopped), every rank there is lost, whether its own connection has timed out
+        yet or not. Say so, naming the host. (A stopped process is its own failure: its
+        owner, on that host, answered for it.)"""
         first = ordered[0]
-        if not first.host or first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE,
-                                                FailureKind.SILENT):
+        if not first.host or first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE):
             return ordered
         if first.kind is FailureKind.VANISHED:
             lost = [f for f in [*ordered, *vanished_later]
@@ -469,12 +469,9 @@ class _RunWatcher:
             reason = self._describe_lost(first.host, ranks)
         else:
             lost = [f for f in ordered if f.host == first.host
-                    and f.kind in (FailureKind.UNREACHABLE, FailureKind.SILENT)]
+                    and f.kind is FailureKind.UNREACHABLE]
             ranks = [r.rank for r in self.record.ranks
                      if r.host == first.host and r.status is not RankStatus.DONE]
-            if first.kind is FailureKind.SILENT and (
-                    len(ranks) == 1 or {f.rank for f in lost} != set(ranks)):
-                return ordered  # one process fell silent (its host's other ranks still talk)
             reason = (f"its host {first.host} stopped answering (no reply within "
                       f"{peer_timeout_s():g} s), with {describe_ranks(ranks)}: the network to "
                       "that host is down, or the host is")

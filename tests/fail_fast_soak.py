@@ -301,7 +301,7 @@ def report(outcomes: list[Outcome], hogs: int) -> dict:
                "true_failures": len(failing), "true_failures_named": sum(o.ok for o in failing),
                "named_after_s": {}}
     print(f"\n{len(outcomes)} runs beside {hogs} busy processes")
-    print(f"| workload | runs | wrong | median s |")
+    print("| workload | runs | wrong | median s |")
     print("|---|---|---|---|")
     for workload in dict.fromkeys(o.workload for o in outcomes):
         mine = [o for o in outcomes if o.workload == workload]

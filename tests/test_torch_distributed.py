@@ -2,7 +2,6 @@
 backend, and `TorchDistributor` as pyspark's users call it."""
 
 import json
-import os
 import subprocess
 import sys
 
