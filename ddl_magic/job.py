@@ -9,7 +9,6 @@ thread, port or Spark job outlives the run.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import signal
@@ -21,12 +20,12 @@ from typing import Any
 
 import cloudpickle
 
+from .attribution import RankFacts, attribute, describe_exit
 from .control import ControlServer
-from .events import (ROOT_CAUSE_ORDER, FailureKind, HostUnanswered, ProcessExited, RankFailed,
-                     RankFinished, RankOutput, RankProcessState, RanksPlaced, RankStarted,
-                     TimelineBatch, TimelineStarted, describe_ranks)
+from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
+                     RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
+                     TimelineStarted)
 from .host_probe import HostProbes
-from .launch.local import describe_exit
 from .liveness import LivenessWatch, ProcessState, Verdict
 from .rank_record import RankRecord, RankStatus, new_records
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
@@ -405,80 +404,25 @@ class _RunWatcher:
             self.display.refresh()
 
     def _raise_failure(self) -> None:
-        """Show and raise the failure that caused the others, then the ranks it took down.
-
-        Failures are ordered by kind (`ROOT_CAUSE_ORDER`: ranks that died, then ranks that
-        vanished or became unreachable, then ranks that raised, then ranks that only lost a
-        peer), and within a kind by when they happened. A rank whose connection ended after
-        the driver stopped the run was stopped, unless its exit status says it died.
-        """
-        failures, vanished_later = [], []
-        lost_early = {f.lost_rank for f in self._failures  # lost, as a peer saw it before we stopped the run
-                      if f.kind is FailureKind.LOST_PEER and not self._ended_after_abort(f)}
-        for failure in self._failures:
-            rank = self.record.ranks[failure.rank]
-            if not failure.host and rank.host:  # Spark's reports name the task, not the host
-                failure = dataclasses.replace(failure, host=rank.host)
-            if failure.kind in (FailureKind.VANISHED, FailureKind.UNREACHABLE):
-                # (a timeout is never our doing: a rank we stop closes its connection)
-                if rank.exit_code is not None and rank.exit_code != ABORTED_EXIT_CODE:
-                    # A dead process's connection drops first; its exit status says more.
-                    failure = dataclasses.replace(failure, kind=FailureKind.DIED,
-                                                  reason=describe_exit(rank.exit_code),
-                                                  exit_code=rank.exit_code)
-                elif rank.exit_code == ABORTED_EXIT_CODE or (
-                        failure.kind is FailureKind.VANISHED and self._ended_after_abort(failure)
-                        and failure.rank not in lost_early):
-                    rank.end(RankStatus.STOPPED)  # the driver stopped it
-                    rank.failure = None
-                    if rank.exit_code is None:  # ... unless nothing is left to report its exit
-                        vanished_later.append(failure)
-                    continue
-            failures.append(failure)
-        ordered = sorted(failures, key=lambda f: (ROOT_CAUSE_ORDER[f.kind], f.at_ns or 0))
-        ordered = self._lost_hosts_named(ordered, vanished_later)
-        for failure in ordered:
-            self.record.ranks[failure.rank].end(RankStatus.FAILED, failure.reason)
+        """Show and raise the failure that caused the others (`attribution.py` decides), then
+        the ranks it took down."""
+        records = self.record.ranks
+        verdict = attribute(self._failures,
+                            [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
+                             for r in records],
+                            self._aborted_at_ns, self._describe_lost, peer_timeout_s())
+        for rank in verdict.stopped:
+            records[rank].end(RankStatus.STOPPED)  # the driver stopped it
+            records[rank].failure = None
+        for rank, reason in verdict.failed.items():
+            records[rank].end(RankStatus.FAILED, reason)
+        for failure in verdict.failures:
             self.display.handle(failure)
-        first = ordered[0]
+        cause = verdict.cause
         self.record.status = "failed"
-        self.record.error = f"rank {first.rank} failed: {first.reason}"
-        raise RankFailedError(first.rank, first.host, first.reason, first.traceback,
-                              first.exit_code, self.record)
-
-    def _ended_after_abort(self, failure: RankFailed) -> bool:
-        return (self._aborted_at_ns is not None and failure.at_ns is not None
-                and failure.at_ns > self._aborted_at_ns)
-
-    def _lost_hosts_named(self, ordered: list[RankFailed],
-                          vanished_later: list[RankFailed]) -> list[RankFailed]:
-        """When the first failure is a rank that vanished, the ranks of its host that
-        vanished too were lost with it (also those that did after the run was stopped, if
-        no exit status came for them: what would report it went with them). When it is a
-        host that stopped answering (a connection timed out, or the reports of the tasks
-        there stopped), every rank there is lost, whether its own connection has timed out
-        yet or not. Say so, naming the host. (A stopped process is its own failure: its
-        owner, on that host, answered for it.)"""
-        first = ordered[0]
-        if not first.host or first.kind not in (FailureKind.VANISHED, FailureKind.UNREACHABLE):
-            return ordered
-        if first.kind is FailureKind.VANISHED:
-            lost = [f for f in [*ordered, *vanished_later]
-                    if f.kind is FailureKind.VANISHED and f.host == first.host]
-            ranks = sorted({f.rank for f in lost})
-            reason = self._describe_lost(first.host, ranks)
-        else:
-            lost = [f for f in ordered if f.host == first.host
-                    and f.kind is FailureKind.UNREACHABLE]
-            ranks = [r.rank for r in self.record.ranks
-                     if r.host == first.host and r.status is not RankStatus.DONE]
-            reason = (f"its host {first.host} stopped answering (no reply within "
-                      f"{peer_timeout_s():g} s), with {describe_ranks(ranks)}: the network to "
-                      "that host is down, or the host is")
-        for rank in ranks:
-            self.record.ranks[rank].end(RankStatus.FAILED, reason)
-        named = [dataclasses.replace(f, reason=reason) for f in lost]
-        return named + [f for f in ordered if f not in lost]
+        self.record.error = f"rank {cause.rank} failed: {cause.reason}"
+        raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
+                              cause.exit_code, self.record)
 
     def _collect_results(self) -> None:
         values = [cloudpickle.loads(b) if b is not None else None

@@ -135,3 +135,19 @@ def test_a_rank_that_stops_is_named_within_the_peer_timeout(monkeypatch):
     assert failure.value.reason.startswith("stopped: its process has been stopped for 3 s")
     assert time.monotonic() - started < 30  # the op timeout (300 s) would be later still
     assert failure.value.run.ranks[0].status == "stopped"
+
+
+def test_attribution_is_a_pure_function_of_failures_ranks_and_the_stop():
+    """No processes, no run loop: the same rules, called directly."""
+    from ddl_magic.attribution import RankFacts, attribute
+
+    ranks = [RankFacts(host, None, done=False) for host in HOSTS]
+    verdict = attribute([failed(0, FailureKind.LOST_PEER, 0, lost_rank=3),
+                         failed(3, FailureKind.VANISHED, 10, "connection lost"),
+                         failed(1, FailureKind.VANISHED, 20, "connection lost")],
+                        ranks, aborted_at_ns=5, describe_lost=SparkLauncher.describe_lost,
+                        peer_timeout_s=10)
+    assert (verdict.cause.rank, verdict.cause.host) == (3, "host-b")
+    assert [f.rank for f in verdict.failures] == [3, 1, 0]
+    assert verdict.stopped == [1]  # vanished after the stop, but its host was lost with rank 3
+    assert verdict.failed[1].startswith("the Spark executor on host-b was lost, and ranks 1 and 3")

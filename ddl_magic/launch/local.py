@@ -205,13 +205,3 @@ def _signal_group(pid: int, signum: int) -> None:
         os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def describe_exit(returncode: int) -> str:
-    """'exit code 3' or 'killed by SIGKILL', for messages."""
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
