@@ -44,7 +44,7 @@ def reduce_on_gpus():
     averaged = hvd.allreduce(torch.full((5,), float(hvd.rank()), device=device))
     if averaged.tolist() != [(hvd.size() - 1) / 2] * 5:
         failures.append(f"average {averaged.tolist()}")
-    memory = context.current("test").queue._runner.host_group.gpu_memory(device)
+    memory = context.current("test").queue._runner.plane.gpu_memory(device)
     checksum = hvd.allgather(hvd.allreduce(torch.rand(1 << 20, device=device)).sum().view(1).cpu())
     return {"failures": failures, "ipc": isinstance(memory, CudaIpcMemory),
             "identical": bool((checksum == checksum[0]).all())}

@@ -1,20 +1,12 @@
-"""Running one negotiated response on this rank: fusion buffer in, transport, fusion buffer out.
+"""Running one negotiated response on this rank: fusion buffer in, data plane, fusion buffer out.
 
 The op queue hands each `Response` here together with this rank's entries for its names.
 Everything around the data movement lives here — packing many tensors into one fusion
-buffer, the prescale and postscale factors, where CUDA tensors go, and choosing how the data
-moves — so the algorithms stay plain:
-
-- every rank on this host: shared memory (`shared_memory.py`), host memory for CPU tensors
-  and GPU memory mapped between the ranks (CUDA IPC) for CUDA tensors; a small allreduce's
-  data may even ride on the negotiation round that agrees on it (`run_attached`);
-- several hosts with the same number of ranks each: hierarchical allreduce, Horovod's
-  HOROVOD_HIERARCHICAL_ALLREDUCE (reduce-scatter within the host through shared memory, ring
-  allreduce of each rank's part across hosts, allgather within the host: only 1/local_size
-  of the bytes cross between hosts); reduce-scatter, allgather and broadcast use the ring;
-- otherwise the TCP ring (`ring.py`), ordered host by host.
-
-Off a single host, CUDA tensors are staged through (pinned) host memory.
+buffer, the prescale and postscale factors, staging CUDA tensors through host memory where
+the plane cannot carry them, and the timeline's labels — so that the plane (`planes.py`:
+shared memory, the TCP ring, or both, hierarchically) only moves one flat buffer. On one
+host a small allreduce's data may even ride on the negotiation round that agrees on it
+(`run_attached`).
 """
 
 from __future__ import annotations
@@ -26,12 +18,10 @@ import torch
 
 from .. import kernels
 from .negotiation import Request, Response
+from .planes import DataPlane, SharedMemoryPlane
 from .reduce_ops import ReduceOp
-from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
-                   ring_broadcast, ring_reduce_scatter)
-from .shared_memory import BUFFER_BYTES, MESSAGE_BYTES, HostGroup
+from .shared_memory import BUFFER_BYTES, MESSAGE_BYTES
 from .timeline import recorder
-from .transport import RingTransport
 
 
 class Entry:
@@ -55,30 +45,15 @@ ATTACHABLE_BYTES = BUFFER_BYTES - MESSAGE_BYTES
 
 
 class CollectiveRunner:
-    """Executes responses, reusing its fusion and scratch buffers between calls.
+    """Executes responses over one data plane, reusing its fusion buffers between calls."""
 
-    How the data moves (`moves_data_by`) follows from what `init()` could connect: a host
-    group holding every rank, a host group and a cross ring (hierarchical), or the ring alone.
-    """
-
-    def __init__(self, transport: RingTransport, host_group: HostGroup | None = None,
-                 cross: RingTransport | None = None):
-        self.transport = transport
-        self.host_group = host_group
-        self.cross = cross
-        whole_world = host_group is not None and host_group.size == transport.world.size
-        self._shared_memory = host_group if whole_world else None
-        self._hierarchical = host_group is not None and cross is not None and not whole_world
+    def __init__(self, plane: DataPlane, rank: int, size: int):
+        self.plane = plane
+        self._rank, self._size = rank, size
+        # The plane whose negotiation rounds can carry data (every rank on this host), or None.
+        self._shared_memory = plane if isinstance(plane, SharedMemoryPlane) else None
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
-
-    @property
-    def moves_data_by(self) -> str:
-        """"none" (a world of one), "shm", "shm+tcp" (hierarchical) or "tcp"."""
-        if self.transport.world.size == 1:
-            return "none"
-        return "shm" if self._shared_memory else "shm+tcp" if self._hierarchical else "tcp"
 
     def run(self, response: Response, entries: list[Entry]) -> None:
         """Run `response` and write results into the entries' outputs."""
@@ -141,8 +116,8 @@ class CollectiveRunner:
             reduced = output if output.dim() == 1 else output.view(-1)
         else:
             reduced = self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
-        with _span(entries, nbytes, "shared_memory", op="allreduce", size=self.transport.world.size):
-            self._shared_memory.allreduce_attached(reduced, op.kernel_name)
+        with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
+            self._shared_memory.host_group.allreduce_attached(reduced, op.kernel_name)
         if alone:
             _scale(reduced, postscale)
             return
@@ -159,7 +134,7 @@ class CollectiveRunner:
                 entry.output = torch.empty_like(entry.tensor)
         request = entries[0].request
         op = _REDUCE_OPS[request.op]
-        return op, _postscale(request, op, self.transport.world.size)
+        return op, _postscale(request, op, self._size)
 
     def _allreduce(self, entries: list[Entry]) -> None:
         op, postscale = self._prepare_allreduce(entries)
@@ -190,7 +165,7 @@ class CollectiveRunner:
         # ... reduce: GPU buffers of one host through their peer-mapped memory, on the GPU;
         # otherwise from host memory (pinned, for fast copies from and to a GPU), ...
         wire = fused if device.type == "cpu" or peer_mapped else self._staged_on_host(fused)
-        self._ring_allreduce(wire, op, labels)
+        self.plane.allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
         # ... and unpack where the outputs live, applying the postscale on the way.
@@ -201,12 +176,12 @@ class CollectiveRunner:
             _copy_back(outputs, staged)
 
     def _gpu_memory(self, entries: list[Entry]):
-        """The host's peer-mapped GPU memory, where these entries' allreduce can run in it:
-        every rank on this host, and every entry's tensor on a GPU (the ranks agreed on where
-        each tensor lives, so every rank answers alike)."""
-        if self._shared_memory is None or entries[0].request.device != "cuda":
+        """The plane's peer-mapped GPU memory, where these entries' allreduce can run in it:
+        every entry's tensor on a GPU (the ranks agreed on where each tensor lives, so every
+        rank answers alike)."""
+        if entries[0].request.device != "cuda":
             return None
-        return self._shared_memory.gpu_memory(entries[0].tensor.device)
+        return self.plane.gpu_memory(entries[0].tensor.device)
 
     def _allreduce_in_place(self, entries: list[Entry], op: ReduceOp, postscale: float) -> None:
         """One host tensor: reduce directly in its output, skipping the fusion buffer's copies."""
@@ -215,27 +190,8 @@ class CollectiveRunner:
             entry.output.copy_(entry.tensor)
         buffer = entry.output.view(-1)
         _scale(buffer, entry.request.prescale)
-        self._ring_allreduce(buffer, op, _TimelineLabels(entries, buffer.numel() * buffer.element_size()))
+        self.plane.allreduce(buffer, op, _TimelineLabels(entries, buffer.numel() * buffer.element_size()))
         _scale(buffer, postscale)
-
-    def _ring_allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: "_TimelineLabels") -> None:
-        if self._shared_memory is not None:
-            with labels.span("shared_memory", op="allreduce", size=self.transport.world.size):
-                self._shared_memory.allreduce(buffer, op.kernel_name)
-        elif self._hierarchical:
-            observer = _TimelineObserver(labels, self.cross) if recorder.enabled else UNOBSERVED
-            scratch, reduce = self._scratch_for(buffer.dtype), kernels.reducer(op.kernel_name, buffer)
-
-            def across_hosts(part: torch.Tensor) -> None:
-                ring_allreduce(part, self.cross, reduce, scratch, observer)
-
-            with labels.span("shared_memory", op="hierarchical allreduce",
-                             size=self.transport.world.size):
-                self.host_group.allreduce(buffer, op.kernel_name, across_hosts)
-        else:
-            observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
-            ring_allreduce(buffer, self.transport, kernels.reducer(op.kernel_name, buffer),
-                           self._scratch_for(buffer.dtype), observer)
 
     def _reducescatter(self, entry: Entry) -> None:
         """Reduce the tensor over all ranks; this rank keeps its `splits[rank]` rows of dim 0.
@@ -245,7 +201,7 @@ class CollectiveRunner:
         """
         request = entry.request
         op = _REDUCE_OPS[request.op]
-        size, rank = self.transport.world.size, self.transport.world.rank
+        size, rank = self._size, self._rank
         row = math.prod(request.shape[1:])
         parts, start = [], 0
         for rows in request.splits:
@@ -258,15 +214,8 @@ class CollectiveRunner:
             buffer = self._fusion_buffer(request.dtype, math.prod(request.shape), torch.device("cpu"))
             buffer.copy_(_host(entry.tensor).reshape(-1))
         _scale(buffer, request.prescale)
-        labels = _TimelineLabels([entry], buffer.numel() * buffer.element_size())
-        if self._shared_memory is not None:
-            with labels.span("shared_memory", op="reducescatter", size=size):
-                self._shared_memory.reduce_scatter(
-                    buffer, [parts[member] for member in self._shared_memory.ranks], op.kernel_name)
-        else:
-            observer = _TimelineObserver(labels, self.transport) if recorder.enabled else UNOBSERVED
-            ring_reduce_scatter(buffer, parts, self.transport, kernels.reducer(op.kernel_name, buffer),
-                                self._scratch_for(buffer.dtype), observer)
+        self.plane.reduce_scatter(buffer, parts, op,
+                                  _TimelineLabels([entry], buffer.numel() * buffer.element_size()))
         own_start, own_end = parts[rank]
         mine = buffer[own_start:own_end]
         _scale(mine, _postscale(request, op, size))
@@ -301,44 +250,26 @@ class CollectiveRunner:
         for dim in first_dims:
             bounds.append((start, start + dim * row))
             start += dim * row
-        rank = self.transport.world.rank
         output = entry.output  # given by the caller (a host tensor of the gathered shape), or new
         if output is None:
             output = torch.empty((sum(first_dims), *tensor.shape[1:]), dtype=tensor.dtype)
         flat = output.view(-1)
-        own_start, own_end = bounds[rank]
+        own_start, own_end = bounds[self._rank]
         flat[own_start:own_end].copy_(_host(tensor).reshape(-1))
-        nbytes, size = flat.numel() * flat.element_size(), self.transport.world.size
-        if self._shared_memory is not None:
-            with recorder.span("shared_memory", entry.request.name, op="allgather", bytes=nbytes, size=size):
-                self._shared_memory.allgather([flat[start:end] for start, end in bounds])
-        else:
-            in_ring_order = [bounds[member] for member in self.transport.members]
-            with recorder.span("allgather", entry.request.name, bytes=nbytes, size=size):
-                ring_allgather(flat, in_ring_order, self.transport, self.transport.position)
+        self.plane.allgather(flat, bounds, entry.request.name)
         entry.output = output.to(tensor.device) if tensor.device.type != "cpu" else output
 
     def _broadcast(self, entry: Entry) -> None:
         output = entry.output
-        if entry.output is not entry.tensor and self.transport.world.rank == entry.request.root:
+        if entry.output is not entry.tensor and self._rank == entry.request.root:
             output.copy_(entry.tensor)
         staged = output if _is_host_contiguous(output) else _host(output).contiguous()
-        nbytes, root = staged.numel() * staged.element_size(), entry.request.root
-        if self._shared_memory is not None:
-            with recorder.span("shared_memory", entry.request.name, op="broadcast", bytes=nbytes):
-                self._shared_memory.broadcast(staged.view(-1), root)
-        else:
-            with recorder.span("broadcast", entry.request.name, bytes=nbytes):
-                ring_broadcast(staged.view(-1), self.transport, self.transport.members.index(root))
+        self.plane.broadcast(staged.view(-1), entry.request.root, entry.request.name)
         if staged is not output:
             output.copy_(staged)
 
     def close(self) -> None:
-        self.transport.close()
-        if self.cross is not None:
-            self.cross.close()
-        if self.host_group is not None:
-            self.host_group.close()
+        self.plane.close()
 
     def _fusion_buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         buffer = self._fusion.get((dtype, device))
@@ -346,13 +277,6 @@ class CollectiveRunner:
             buffer = torch.empty(numel, dtype=dtype, device=device)
             self._fusion[(dtype, device)] = buffer
         return buffer[:numel]
-
-    def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor:
-        scratch = self._scratch.get(dtype)
-        if scratch is None:
-            scratch = torch.empty(max(1, SEGMENT_BYTES // dtype.itemsize), dtype=dtype)
-            self._scratch[dtype] = scratch
-        return scratch
 
 
 def _span(entries: list[Entry], nbytes: int, lane: str, **args):
@@ -381,27 +305,6 @@ class _TimelineLabels:
         if len(self.entries) > TIMELINE_NAMES_LISTED:
             names.append(f"... {len(self.entries) - TIMELINE_NAMES_LISTED} more")
         return names
-
-
-class _TimelineObserver(RingObserver):
-    """Records each ring phase, and each step's chunks, as timeline events."""
-
-    def __init__(self, labels: _TimelineLabels, transport: RingTransport):
-        self.labels = labels
-        self.world = transport.world
-        # named by rank in the run, as the trace's pid is (they differ in a process set's ring)
-        self.right = transport.world.run_ranks[transport.right_rank]
-        self.left = transport.world.run_ranks[transport.left_rank]
-
-    def phase(self, name: str):
-        return self.labels.span(name, size=self.world.size)
-
-    def step(self, phase, step, sent, sent_chunk, received, received_chunk, started_ns) -> None:
-        recorder.record("ring_step", f"{phase} step {step}", started_ns, time.monotonic_ns(),
-                        {"phase": phase, "step": step, "sent_chunk": sent_chunk,
-                         "sent_bytes": sent.numel() * sent.element_size(), "to": self.right,
-                         "received_chunk": received_chunk,
-                         "bytes": received.numel() * received.element_size(), "from": self.left})
 
 
 def _postscale(request: Request, op: ReduceOp, size: int) -> float:

@@ -20,6 +20,7 @@ from .collectives import CollectiveRunner
 from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
+from .planes import SharedMemoryPlane, choose_plane
 from .settings import Settings
 from .shared_memory import connect_host_group
 from .transport import RingTransport, connect_ring
@@ -143,15 +144,16 @@ def _connect(world: World, listener: socket.socket, settings: Settings) -> Runti
 
 
 def _runtime_over(world, transport, host_group, cross, settings) -> Runtime:
-    runner = CollectiveRunner(transport, host_group, cross)
-    if runner.moves_data_by == "shm":  # one host: negotiate in lockstep through it too
+    plane = choose_plane(transport, host_group, cross)  # once per ring (a process set's too)
+    runner = CollectiveRunner(plane, world.rank, world.size)
+    if isinstance(plane, SharedMemoryPlane):  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
                                              settings.cycle_time_s, settings.stall_time_s,
                                              settings.timeout_s)
     else:
         queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
                            settings.cycle_time_s, settings.stall_time_s)
-    return Runtime(world, queue, runner.moves_data_by)
+    return Runtime(world, queue, plane.name)
 
 
 def _pin_gpu(local_rank: int) -> None:
