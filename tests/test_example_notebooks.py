@@ -32,10 +32,20 @@ def run_notebook(name: str, report: str) -> tuple[nbformat.NotebookNode, dict]:
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()
+    assert_no_warning_boxes(notebook)
     printed = "".join(o.get("text", "") for o in notebook.cells[-1].outputs if o.output_type == "stream")
     found = re.search(re.escape(REPORT_MARKER) + r"(.*)", printed)
     assert found, f"the report cell printed no report: {printed!r}"
     return notebook, json.loads(found.group(1))
+
+
+def assert_no_warning_boxes(notebook: nbformat.NotebookNode) -> None:
+    """No cell shows stderr (a pink box in JupyterLab): a warning a reader cannot act on,
+    such as pyspark's about a pandas it does not support, is one for us to avoid."""
+    boxes = [(number, output["text"][:300]) for number, cell in enumerate(notebook.cells)
+             for output in cell.get("outputs", [])
+             if output.output_type == "stream" and output.name == "stderr"]
+    assert not boxes, f"cells (by position) wrote to stderr: {boxes}"
 
 
 def printed_text(notebook: nbformat.NotebookNode) -> str:
