@@ -149,7 +149,7 @@ class Job:
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = make_display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
-                               title=options.title)
+                               title=options.title, timeline_path=timeline_path)
         watcher = _RunWatcher(record, display, timeline_path,
                               HostProbes(events, timeout_s=peer_timeout_s()),
                               exits_follow_output=getattr(self.launcher, "forwards_output", False),

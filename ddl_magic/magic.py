@@ -10,6 +10,7 @@ from .capture import CaptureError, capture_cell, format_bytes
 from .job import Job, JobOptions, RankFailedError, RunTimeoutError
 from .run import parse_env
 from .runner import make_launcher
+from .ui import shows_run_view
 
 
 class HorovodUsageError(ValueError):
@@ -90,7 +91,7 @@ class HorovodMagics(Magics):
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}")
         run = Job(captured.payload, args.np, launcher, options).run()
-        if run.timeline_path:
+        if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
             from . import show_timeline
 
             show_timeline(run)
