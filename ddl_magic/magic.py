@@ -7,7 +7,7 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .capture import CaptureError, capture_cell, format_bytes
-from .job import Job, JobOptions, RankFailedError, RunTimeoutError
+from .job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
 from .run import parse_env
 from .runner import make_launcher
 from .ui import shows_run_view
@@ -17,6 +17,14 @@ class HorovodUsageError(ValueError):
     """A mistake in the %%horovod line; the message says how to write it.
 
     Raised (unlike IPython's own UsageError) as a real error, so "Run All" stops here.
+    """
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (the stop button, Ctrl-C) and every rank was stopped.
+
+    A KeyboardInterrupt still, so "Run All" stops here; shown as its one line, not as the
+    driver's loop that the interrupt happened to land in.
     """
 
 
@@ -90,7 +98,13 @@ class HorovodMagics(Magics):
         options = JobOptions(timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}")
-        run = Job(captured.payload, args.np, launcher, options).run()
+        try:
+            run = Job(captured.payload, args.np, launcher, options).run()
+        except KeyboardInterrupt:
+            record = last_run()
+            logs = (f"; their logs are in {record.log_dir}"
+                    if record is not None and record.status == "interrupted" else "")
+            raise CellInterrupted(f"the cell was interrupted and every rank stopped{logs}") from None
         if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
             from . import show_timeline
 
@@ -101,13 +115,21 @@ class HorovodMagics(Magics):
         return value
 
 
-def show_run_error(shell, etype, evalue, tb, tb_offset=None):
-    """Show a failed run or an uncapturable cell as its message alone.
+def show_run_error(shell, etype, evalue, tb, tb_offset=None) -> None:
+    """Show a failed, interrupted or refused run as one message, without the frames of the
+    magic's machinery, which would only bury it.
 
-    The message already holds what matters (the rank's own traceback, or the variable
-    that cannot be pickled); the frames of the magic machinery would only bury it.
+    A failed rank's traceback is already shown, once, by the run's display (the run view's
+    failure panel, or the text display's lines): the error says only who failed and where
+    every rank's full log is.
     """
-    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {evalue}"])
+    if isinstance(evalue, RankFailedError):
+        where = f"rank {evalue.rank} ({evalue.host})" if evalue.host else f"rank {evalue.rank}"
+        shown = (f"{where} failed: {evalue.reason}; its traceback is shown above, and every "
+                 f"rank's full log is in {evalue.run.log_dir}")
+    else:
+        shown = str(evalue)
+    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {shown}"])
 
 
-show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError)
+show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError, CellInterrupted)

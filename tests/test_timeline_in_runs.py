@@ -268,7 +268,7 @@ def test_the_trace_stays_valid_json_when_the_cell_is_interrupted(kernel, tmp_pat
                                   "import os, time\nimport ddl_magic.torch as hvd")
     out = kernel.run(f"%%horovod -np 2 --quiet --timeline {path}\n{cell.strip()}",
                      timeout=60, on_output=on_output)
-    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
+    assert out.error is not None and out.error["ename"] == "CellInterrupted"
     events, metadata = load_events(path)
     assert sorted(process_names(metadata)) == [0, 1]
     assert {e["pid"] for e in events} == {0, 1}

@@ -31,6 +31,7 @@ import ipywidgets as widgets
 
 from ..events import Event, RankFailed, RankOutput, TimelineBatch
 from ..rank_record import RankRecord, RankStatus, new_records
+from .tracebacks import without_machinery_frames
 
 STATUS_COLOURS = {
     "starting": "#9e9e9e",
@@ -251,7 +252,7 @@ class RunView:
         if self._failures:
             first = next(iter(self._failures.values()))
             parts.append(f"rank {first.rank} on {first.host or self._records[first.rank].host or '?'} "
-                         f"failed: {first.reason}\n{first.traceback}".rstrip())
+                         f"failed: {first.reason}\n{self._shown_traceback(first)}".rstrip())
         if self._all.appended:
             note = self._log_note(self._all, None)
             parts.append((f"{note}\n" if note else "")
@@ -476,8 +477,11 @@ class RunView:
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
             f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
-            f'<pre style="margin:4px 0">{html.escape(first.traceback)}</pre>{also}</div>'
+            f'<pre style="margin:4px 0">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
         )
+
+    def _shown_traceback(self, failure: RankFailed) -> str:
+        return without_machinery_frames(failure.traceback, self._log_path(failure.rank) or "the rank's log")
 
     def _log_note(self, log: BoundedLog, rank: int | None) -> str:
         if not log.dropped:
