@@ -27,6 +27,7 @@ from .events import (ROOT_CAUSE_ORDER, FailureKind, HostUnanswered, ProcessExite
 from .host_probe import HostProbes
 from .launch.local import describe_exit
 from .rank_record import RankRecord, RankStatus, new_records
+from .run_report import run_report_html, run_report_text
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .ui import make_display
@@ -82,6 +83,12 @@ class RunResult:
         """The full output of one rank."""
         with open(self.ranks[rank].log_path, encoding="utf-8") as f:
             return f.read()
+
+    def __repr__(self) -> str:
+        return run_report_text(self)
+
+    def _repr_html_(self) -> str:
+        return run_report_html(self)
 
 
 _last_run: RunResult | None = None
@@ -257,7 +264,7 @@ class _RunWatcher:
         record = self.record
         if isinstance(event, ProcessExited):
             rank = record.ranks[event.rank]
-            rank.exit_code = event.returncode
+            rank.record_exit(event.returncode)
             if event.output:
                 self._logs[event.rank].write(event.output)
             # A running rank's end is reported by its control connection, in order after its

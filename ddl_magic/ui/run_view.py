@@ -418,8 +418,7 @@ class RunView:
     def _elapsed(self, record: RankRecord, now: float) -> float | None:
         if record.started_at is None:
             return None
-        end = record.ended_at if record.ended_at is not None else now
-        return end - record.started_at
+        return record.duration_s  # on the records' clock (epoch seconds), not the view's
 
     def _log_path(self, rank: int) -> str | None:
         return os.path.join(self.log_dir, f"rank-{rank}.log") if self.log_dir else None
