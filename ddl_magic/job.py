@@ -27,6 +27,7 @@ from .events import (ROOT_CAUSE_ORDER, FailureKind, HostUnanswered, ProcessExite
 from .host_probe import HostProbes
 from .launch.local import describe_exit
 from .rank_record import RankRecord, RankStatus, new_records
+from .run_folders import prune_run_folders
 from .run_report import run_report_html, run_report_text
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
@@ -134,6 +135,7 @@ class Job:
         # Not "ddl_magic/...": a folder of that name in the working directory would shadow the
         # package for ranks started there.
         log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
+        prune_run_folders(os.path.dirname(log_dir))  # the oldest go; DDL_MAGIC_KEEP_RUNS says how many stay
         os.makedirs(log_dir, exist_ok=True)
         timeline_path = options.timeline_path
         if timeline_path is None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -30,7 +34,7 @@ class CellInterrupted(KeyboardInterrupt):
 
 @magics_class
 class HorovodMagics(Magics):
-    @magic_arguments()
+    @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
     @argument("-np", "--num-proc", dest="np", type=int, required=True,
               help="number of ranks to run the cell on")
     @argument("--spark", action="store_true",
@@ -75,7 +79,8 @@ class HorovodMagics(Magics):
         try:
             args = parse_argstring(self.horovod, line)
         except UsageError as exc:
-            raise HorovodUsageError(f"{exc}. See %%horovod? for every option.") from None
+            raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
+                                    "See %%horovod? for every option.") from None
         if args.np < 1:
             raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
         if args.spark and args.local:
@@ -113,6 +118,17 @@ class HorovodMagics(Magics):
         if args.out:
             self.shell.user_ns[args.out] = value
         return value
+
+
+def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --timeline?' for each unrecognised option close to a real one."""
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown is None:
+        return ""
+    options = [option for action in parser._actions for option in action.option_strings]
+    suggestions = [close[0] for word in unknown.group(1).split() if word.startswith("-")
+                   and (close := difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6))]
+    return f"; did you mean {' and '.join(suggestions)}?" if suggestions else ""
 
 
 def show_run_error(shell, etype, evalue, tb, tb_offset=None) -> None:
