@@ -586,6 +586,17 @@ def test_in_a_notebook_the_figure_comes_with_the_formatted_summary(
     assert f"<td>{long_name} 1 ms, " in shown[-1][0]["text/html"]  # not cut at pandas' 50 characters
 
 
+def test_the_figure_is_plotlys_widget_whose_views_keep_their_cells_width() -> None:
+    """Plotly's own widget module, unchanged, under ``full_width_figure.js``; in JupyterLab
+    the figure then fills its cell (tests/test_browser.py measures it)."""
+    from ddl_magic.ui.timeline_widget import FullWidthFigureWidget
+
+    plotly_module = str(go.FigureWidget._esm)
+    assert json.dumps(plotly_module) in FullWidthFigureWidget._esm
+    # What full_width_figure.js builds on: without it, figures would stay 700 px wide.
+    assert all(part in plotly_module for part in ("as FigureView", "perform_render(", "autosizeFigure("))
+
+
 def test_show_timeline_explains_a_run_without_a_timeline() -> None:
     with pytest.raises(ValueError, match="no timeline"):
         show_timeline(SimpleNamespace(timeline_path=None))
