@@ -34,6 +34,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kernel import users_kernel_environment
 from test_readme import in_this_environment, one_block, steps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,11 +192,12 @@ def jupyterlab(tmp_path):
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
     port, token = free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config),
-           "JUPYTER_DATA_DIR": str(tmp_path / "jupyter-data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter-workspaces"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter-settings")}
+    # Its kernels show stderr boxes as a user's do.
+    env = users_kernel_environment({"JUPYTER_CONFIG_DIR": str(config),
+                                    "JUPYTER_DATA_DIR": str(tmp_path / "jupyter-data"),
+                                    "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
+                                    "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter-workspaces"),
+                                    "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter-settings")})
     env.pop("DDL_MAGIC_DISPLAY", None)  # the widget run view, as a user gets it
     log = open(tmp_path / "jupyterlab.log", "w")
     server = subprocess.Popen(

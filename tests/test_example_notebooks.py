@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from kernel import users_kernel_environment
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "example_notebooks"
 CELL_TIMEOUT_S = 150
 NOTEBOOK_TIMEOUT_S = 240  # each notebook takes under a minute on 2 cores; CI may be slower
@@ -31,7 +33,7 @@ def run_notebook(name: str, report: str) -> tuple[nbformat.NotebookNode, dict]:
         f"{statements}\nimport json\nprint({REPORT_MARKER!r} + json.dumps({value}))"))
     client = NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()
+    client.execute(env=users_kernel_environment())  # stderr boxes as a user would see them
     assert_no_warning_boxes(notebook)
     printed = "".join(o.get("text", "") for o in notebook.cells[-1].outputs if o.output_type == "stream")
     found = re.search(re.escape(REPORT_MARKER) + r"(.*)", printed)
