@@ -375,11 +375,8 @@ class RunView:
 
     def _render_timeline_summary(self, heading: str) -> str:
         from .live_timeline import KINDS
-        from .timeline_viewer import NOT_MEASURED
 
-        summary, shares = self._live.summary(), self._live.shares()
-        # A kind no rank recorded (compute, where ranks share memory) is left out, not dashed.
-        kinds = [i for i, _ in enumerate(KINDS) if any(shares[rank][i] != NOT_MEASURED for rank in shares)]
+        summary, shares, kinds = self._live.summary(), self._live.shares(), self._live.recorded_kinds()
         rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{shares[rank][i]}</td>' for i in kinds)}"
                 f"<td>{summary[rank]['wall_ms'] / 1000.0:.1f}</td></tr>" for rank in summary]
         header = ("<tr><th>rank</th>" + "".join(f"<th>{KINDS[i]} %</th>" for i in kinds)
