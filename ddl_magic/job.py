@@ -28,6 +28,8 @@ from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, Ran
 from .host_probe import HostProbes
 from .liveness import LivenessWatch, ProcessState, Verdict
 from .rank_record import RankRecord, RankStatus, new_records
+from .run_folders import prune_run_folders
+from .run_report import run_report_html, run_report_text
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from .ui import make_display
@@ -85,6 +87,12 @@ class RunResult:
         with open(self.ranks[rank].log_path, encoding="utf-8") as f:
             return f.read()
 
+    def __repr__(self) -> str:
+        return run_report_text(self)
+
+    def _repr_html_(self) -> str:
+        return run_report_html(self)
+
 
 _last_run: RunResult | None = None
 
@@ -129,6 +137,7 @@ class Job:
         # Not "ddl_magic/...": a folder of that name in the working directory would shadow the
         # package for ranks started there.
         log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
+        prune_run_folders(os.path.dirname(log_dir))  # the oldest go; DDL_MAGIC_KEEP_RUNS says how many stay
         os.makedirs(log_dir, exist_ok=True)
         timeline_path = options.timeline_path
         if timeline_path is None:
@@ -151,7 +160,7 @@ class Job:
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = make_display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
-                               title=options.title)
+                               title=options.title, timeline_path=timeline_path)
         watcher = _RunWatcher(record, display, timeline_path,
                               HostProbes(events, timeout_s=peer_timeout_s()),
                               exits_follow_output=getattr(self.launcher, "forwards_output", False),
@@ -274,7 +283,7 @@ class _RunWatcher:
         if isinstance(event, ProcessExited):
             self._liveness.forget(event.rank)
             rank = record.ranks[event.rank]
-            rank.exit_code = event.returncode
+            rank.record_exit(event.returncode)
             if event.output:
                 self._logs[event.rank].write(event.output)
             # A running rank's end is reported by its control connection, in order after its

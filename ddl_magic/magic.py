@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .capture import CaptureError, capture_cell, format_bytes
-from .job import Job, JobOptions, RankFailedError, RunTimeoutError
+from .job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
 from .run import parse_env
 from .runner import make_launcher
+from .ui import shows_run_view
 
 
 class HorovodUsageError(ValueError):
@@ -19,9 +24,17 @@ class HorovodUsageError(ValueError):
     """
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (the stop button, Ctrl-C) and every rank was stopped.
+
+    A KeyboardInterrupt still, so "Run All" stops here; shown as its one line, not as the
+    driver's loop that the interrupt happened to land in.
+    """
+
+
 @magics_class
 class HorovodMagics(Magics):
-    @magic_arguments()
+    @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
     @argument("-np", "--num-proc", dest="np", type=int, required=True,
               help="number of ranks to run the cell on")
     @argument("--spark", action="store_true",
@@ -66,7 +79,8 @@ class HorovodMagics(Magics):
         try:
             args = parse_argstring(self.horovod, line)
         except UsageError as exc:
-            raise HorovodUsageError(f"{exc}. See %%horovod? for every option.") from None
+            raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
+                                    "See %%horovod? for every option.") from None
         if args.np < 1:
             raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
         if args.spark and args.local:
@@ -89,8 +103,14 @@ class HorovodMagics(Magics):
         options = JobOptions(timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}")
-        run = Job(captured.payload, args.np, launcher, options).run()
-        if run.timeline_path:
+        try:
+            run = Job(captured.payload, args.np, launcher, options).run()
+        except KeyboardInterrupt:
+            record = last_run()
+            logs = (f"; their logs are in {record.log_dir}"
+                    if record is not None and record.status == "interrupted" else "")
+            raise CellInterrupted(f"the cell was interrupted and every rank stopped{logs}") from None
+        if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
             from . import show_timeline
 
             show_timeline(run)
@@ -100,13 +120,32 @@ class HorovodMagics(Magics):
         return value
 
 
-def show_run_error(shell, etype, evalue, tb, tb_offset=None):
-    """Show a failed run or an uncapturable cell as its message alone.
+def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --timeline?' for each unrecognised option close to a real one."""
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown is None:
+        return ""
+    options = [option for action in parser._actions for option in action.option_strings]
+    suggestions = [close[0] for word in unknown.group(1).split() if word.startswith("-")
+                   and (close := difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6))]
+    return f"; did you mean {' and '.join(suggestions)}?" if suggestions else ""
 
-    The message already holds what matters (the rank's own traceback, or the variable
-    that cannot be pickled); the frames of the magic machinery would only bury it.
+
+def show_run_error(shell, etype, evalue, tb, tb_offset=None) -> None:
+    """Show a failed, interrupted or refused run as one message, without the frames of the
+    magic's machinery, which would only bury it.
+
+    A failed rank's traceback is already shown, once, by the run's display (the run view's
+    failure panel, or the text display's lines): the error says only who failed and where
+    every rank's full log is.
     """
-    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {evalue}"])
+    if isinstance(evalue, RankFailedError):
+        where = f"rank {evalue.rank} ({evalue.host})" if evalue.host else f"rank {evalue.rank}"
+        shown = (f"{where} failed: {evalue.reason}; its traceback is shown above, and every "
+                 f"rank's full log is in {evalue.run.log_dir}")
+    else:
+        shown = str(evalue)
+    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {shown}"])
 
 
-show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError)
+show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError, CellInterrupted)

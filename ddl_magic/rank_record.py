@@ -11,10 +11,12 @@ records keeps its own from the events it is shown, through the same `apply`.
 from __future__ import annotations
 
 import enum
+import signal
 import time
 from dataclasses import dataclass
 
 from .events import Event, RankFailed, RankFinished, RankStarted
+from .protocol import ABORTED_EXIT_CODE
 
 
 class RankStatus(str, enum.Enum):
@@ -45,7 +47,8 @@ class RankRecord:
     status: RankStatus = RankStatus.STARTING
     reason: str = ""  # why it failed, for the user
     failure: RankFailed | None = None  # its failure as reported, where it reported one
-    started_at: float | None = None  # time.monotonic()
+    # Seconds since the epoch, the run's own clock (`RunResult.started_at`), so the two compare.
+    started_at: float | None = None
     ended_at: float | None = None
     exit_code: int | None = None
     log_path: str = ""
@@ -58,18 +61,26 @@ class RankRecord:
     def duration_s(self) -> float | None:
         if self.started_at is None:
             return None
-        return (self.ended_at or time.monotonic()) - self.started_at
+        return (self.ended_at or time.time()) - self.started_at
 
     def end(self, status: RankStatus, reason: str = "") -> None:
         """Mark the rank ended (the first end counts for its clock)."""
         self.status, self.reason = status, reason
         if self.ended_at is None:
-            self.ended_at = time.monotonic()
+            self.ended_at = time.time()
+
+    def record_exit(self, returncode: int | None) -> None:
+        """Keep how the rank's process ended. A rank that had finished its work and was then
+        ended by the run's cleanup (SIGTERM, as every launcher stops what is left) finished
+        normally: its exit is 0, not the signal."""
+        if self.status is RankStatus.DONE and returncode in (-signal.SIGTERM, ABORTED_EXIT_CODE):
+            returncode = 0
+        self.exit_code = returncode
 
     def apply(self, event: Event) -> None:
         """Take in what `event` says about this rank."""
         if isinstance(event, RankStarted):
-            self.host, self.pid, self.started_at = event.host, event.pid, time.monotonic()
+            self.host, self.pid, self.started_at = event.host, event.pid, time.time()
             if self.status is RankStatus.STARTING:
                 self.status = RankStatus.RUNNING
         elif isinstance(event, RankFinished) and not self.ended:

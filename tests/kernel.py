@@ -9,6 +9,20 @@ from dataclasses import dataclass, field
 from jupyter_client.manager import start_new_kernel
 
 
+def users_kernel_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment as a kernel a user starts would have it.
+
+    Under pytest, ipykernel sees PYTEST_CURRENT_TEST and leaves the process's stderr file
+    descriptor alone: what a child process (Spark's JVM) or C code writes there then reaches
+    the test's terminal, where a user's notebook shows it in a cell, as a pink box.
+    """
+    import os
+
+    environment = {**os.environ, **(extra or {})}
+    environment.pop("PYTEST_CURRENT_TEST", None)
+    return environment
+
+
 @dataclass
 class CellOutput:
     stdout: str = ""

@@ -1,18 +1,21 @@
-"""A person's view: JupyterLab in headless Chromium runs a `%%horovod --timeline` notebook.
+"""A person's view, following the README's own path: JupyterLab started with the README's
+command (from the `examples` extra, which tests/test_readme.py checks is installed), lab 01
+opened and run top to bottom, then a `%%horovod --timeline` notebook, in headless Chromium.
 
-JupyterLab serves on loopback with a token; Chromium opens the notebook, and the test drives
-it through the Chrome DevTools Protocol (a websocket, `websocket-client`): "Run All Cells"
-as the Run menu does it, then checks the page's DOM for the rendered run view (its live
-timeline lanes while the ranks still train, its status table, its tabs, a tab's lines once
-clicked) and the plotly timeline viewer after the run, and takes screenshots (live_lanes.png,
-run_view.png, run_view_rank_1.png, timeline.png, page.png in the test's tmp folder, for a
-look when something seems off; a wait that times out leaves timed_out.png).
+The test drives Chromium through the Chrome DevTools Protocol (a websocket,
+`websocket-client`): "Run All Cells" as the Run menu does it, then checks the page's DOM: lab
+01 ends with no error or warning box; the run view draws its live timeline lanes while the
+ranks still train, then its status table, its tabs, a tab's lines once clicked, and, after the
+run, the whole timeline in the same figure (one figure per cell, as wide as the cell); and
+`ddl_magic.last_run()` renders as a table. Screenshots (lab_01.png, live_lanes.png,
+run_view.png, run_view_rank_1.png, timeline_cell.png, last_run.png, page.png) land in the
+test's tmp folder; a wait that times out leaves timed_out.png.
 
 The ranks train until the test has seen the live lanes: it then creates a file, and rank 0
 tells the others to stop (a broadcast), so the screenshot is taken mid-run on any machine.
 
 Needs Chromium: ``apt-get install -y chromium``. Without it the test is skipped, and fails
-under CI (``CI=true``), where it must run.
+under CI (``CI=true``), where it must run. Lab 01 also needs Java 17 for its Spark parts.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ import secrets
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from kernel import users_kernel_environment
+from test_readme import in_this_environment, one_block, steps
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -62,12 +69,28 @@ def notebook_cells(stop_file: Path) -> tuple[str, ...]:
             "        raise TimeoutError('the test never saw the live lanes')\n"
             "hvd.rank()"
         ),
+        "import ddl_magic\nddl_magic.last_run()",
     )
 
 
 # JavaScript run in the page. The run view is the widget box whose table has a "status" column.
 RUN_VIEW = """(() => [...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
     .find(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status')))()"""
+# The notebook open in JupyterLab, once its kernel is connected and its cells are shown.
+NOTEBOOK_READY = """(() => { const app = window.jupyterapp;
+    const panel = app && app.shell.currentWidget;
+    return !!(panel && panel.sessionContext && panel.sessionContext.session
+              && panel.sessionContext.session.kernel
+              && panel.sessionContext.session.kernel.connectionStatus === 'connected'
+              && panel.content.widgets.length >= CELLS); })()"""
+# Every code cell of the current notebook has run, and the kernel rests.
+ALL_CELLS_RAN = """(() => { const panel = window.jupyterapp.shell.currentWidget;
+    return panel.sessionContext.session.kernel.status === 'idle'
+        && panel.content.widgets.every(cell => cell.model.type !== 'code'
+                                               || (cell.model.executionCount && !cell.promptNode.textContent.includes('*'))); })()"""
+# Error boxes and stderr boxes (pink in JupyterLab) in the current notebook's outputs.
+WARNING_BOXES = """[...document.querySelectorAll(
+    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')].map(box => box.innerText.slice(0, 300))"""
 
 
 def require_or_skip(ok: bool, message: str) -> None:
@@ -155,35 +178,40 @@ class DevToolsPage:
 
 @pytest.fixture()
 def jupyterlab(tmp_path):
-    """JupyterLab on 127.0.0.1 with a token, serving `tmp_path/notebooks`; yields its base URL and token."""
+    """JupyterLab started as the README says (its command, this environment's `jupyter`), on
+    127.0.0.1 with a token, in a folder holding a copy of `example_notebooks/` (so running the
+    labs saves nothing into the repository); yields its base URL, token and the folder it
+    serves."""
     require_or_skip(_importable("jupyterlab") and _importable("websocket"),
                     "JupyterLab or websocket-client is missing: pip install -e '.[test]' installs them")
-    notebooks, config = tmp_path / "notebooks", tmp_path / "jupyter-config"
-    notebooks.mkdir()
+    readme_start = in_this_environment(steps(one_block("notebook").splitlines()[1])[0])
+    folder, config = tmp_path / "clone", tmp_path / "jupyter-config"
+    shutil.copytree(ROOT / "example_notebooks", folder / "example_notebooks")
     # No "get Jupyter news?" toast over the screenshots.
     (config / "labconfig").mkdir(parents=True)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
     port, token = free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config),
-           "JUPYTER_DATA_DIR": str(tmp_path / "jupyter-data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter-workspaces"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter-settings")}
+    # Its kernels show stderr boxes as a user's do.
+    env = users_kernel_environment({"JUPYTER_CONFIG_DIR": str(config),
+                                    "JUPYTER_DATA_DIR": str(tmp_path / "jupyter-data"),
+                                    "JUPYTER_RUNTIME_DIR": str(tmp_path / "jupyter-runtime"),
+                                    "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "jupyter-workspaces"),
+                                    "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "jupyter-settings")})
     env.pop("DDL_MAGIC_DISPLAY", None)  # the widget run view, as a user gets it
     log = open(tmp_path / "jupyterlab.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        [*readme_start, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
          "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={notebooks}", "--LabApp.expose_app_in_browser=True",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--LabApp.expose_app_in_browser=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
+        cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: server.poll() is not None or _answers(f"{base}/api/status?token={token}"),
                    timeout=30, what=f"JupyterLab to answer (log: {log.name})")
         assert server.poll() is None, (tmp_path / "jupyterlab.log").read_text()
-        yield base, token, notebooks
+        # `jupyter lab FILE` serves the file's folder and opens the file.
+        yield base, token, folder / Path(readme_start[2]).parent
     finally:
         server.terminate()
         try:
@@ -249,25 +277,45 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp_path):
-    base, token, notebooks = jupyterlab
+def open_and_run_all(page: DevToolsPage, base: str, token: str, path: str, cells: int) -> None:
+    page.call("Page.navigate", url=f"{base}/lab/tree/{path}?token={token}")
+    page.wait_for(NOTEBOOK_READY.replace("CELLS", str(cells)), timeout=45,
+                  what=f"JupyterLab to open {path} with a connected kernel")
+    # Not awaited: the command resolves when the cells are done, and they may wait for this test.
+    page.evaluate("void window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+
+@pytest.mark.timeout(420)
+def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(browser, jupyterlab, tmp_path):
+    base, token, served = jupyterlab
+    readme_path = steps(one_block("notebook").splitlines()[1])[0][2]
+    assert readme_path == "example_notebooks/01_iris_mlp.ipynb"
+    lab = Path(readme_path).name
+    cells = len(nbformat.read(served / lab, as_version=4).cells)
+    started = time.monotonic()
+    open_and_run_all(browser, base, token, lab, cells)
+    browser.wait_for(ALL_CELLS_RAN, timeout=300, what="lab 01 to run to its end")
+    took = time.monotonic() - started
+    boxes = browser.evaluate(WARNING_BOXES)
+    browser.screenshot(tmp_path / "lab_01.png")
+    assert boxes == [], f"lab 01 shows error or warning boxes: {boxes}"
+    # Its two runs finished: both run views say so, and the report cell's numbers are there.
+    finished = browser.evaluate("""[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
+        .filter(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status'))
+        .map(box => box.textContent.includes('done in'))""")
+    assert finished == [True, True], finished
+    print(f"lab 01 ran in JupyterLab in {took:.0f} s")
+
+
+def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyterlab, tmp_path):
+    base, token, served = jupyterlab
     page = browser
     notebook = nbformat.v4.new_notebook()
     stop_file = tmp_path / "lanes_seen"
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in notebook_cells(stop_file)]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(notebook, notebooks / "run.ipynb")
-
-    page.call("Page.navigate", url=f"{base}/lab/tree/run.ipynb?token={token}")
-    page.wait_for("""(() => { const app = window.jupyterapp;
-        const panel = app && app.shell.currentWidget;
-        return !!(panel && panel.sessionContext && panel.sessionContext.session
-                  && panel.sessionContext.session.kernel
-                  && panel.sessionContext.session.kernel.connectionStatus === 'connected'
-                  && panel.content.widgets.length === 2); })()""",
-                  timeout=45, what="JupyterLab to open the notebook with a connected kernel")
-    # Not awaited: the command resolves when the cells are done, and they wait for this test.
-    page.evaluate("void window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    nbformat.write(notebook, served / "run.ipynb")
+    open_and_run_all(page, base, token, "run.ipynb", len(notebook.cells))
 
     # While the ranks train: the run view's live lanes, a row per (rank, lane), with bars.
     live = page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
@@ -282,8 +330,9 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
 
     # The run view: its table, both ranks done, a tab per rank.
     page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
-        return !!view && view.textContent.includes('done in'); }})()""",
-                  timeout=45, what="the run view to show the finished run")
+        return !!view && view.textContent.includes('done in')
+            && [...view.querySelectorAll('b')].some(b => b.textContent === 'timeline'); }})()""",
+                  timeout=45, what="the run view to show the finished run and its timeline")
     view = page.evaluate(f"""(() => {{ const view = {RUN_VIEW};
         return {{
             rows: [...view.querySelector('table').querySelectorAll('tr')].slice(1).map(
@@ -310,21 +359,44 @@ def test_jupyterlab_shows_the_run_view_and_the_timeline(browser, jupyterlab, tmp
     assert f"step {STEPS - 1} on rank 1" in rank_1 and "rank 0" not in rank_1
     page.screenshot(tmp_path / "run_view_rank_1.png", element=RUN_VIEW)
 
-    # The timeline viewer under the run view: a plotly figure with a row per (rank, lane).
-    viewer = "[...document.querySelectorAll('.js-plotly-plot')].filter(p => !" + RUN_VIEW + ".contains(p))[0]"
-    page.wait_for(f"(() => {{ const plot = {viewer}; return !!plot && plot.querySelectorAll('.bars path').length > 0; }})()",
-                  timeout=30, what="the plotly timeline to draw its bars")
-    figure = page.evaluate(f"""(() => {{ const plot = {viewer};
-        return {{ title: plot.querySelector('.gtitle').textContent,
+    # The finished run's timeline: one figure in the cell, as wide as the cell, the whole trace.
+    cell = "document.querySelectorAll('.jp-Notebook .jp-CodeCell')[1]"
+    figure = page.wait_for(f"""(() => {{ const cell = {cell};
+        const plots = [...cell.querySelectorAll('.js-plotly-plot')];
+        const plot = plots[0];
+        if (!plot || !plot.querySelector('.gtitle') || !plot.querySelector('.gtitle').textContent.includes('from 2 rank(s)'))
+            return false;
+        return {{ figures: plots.length,
+                 width: plot.querySelector('.main-svg').getBoundingClientRect().width,
+                 cell_width: cell.querySelector('.jp-OutputArea-output').getBoundingClientRect().width,
+                 title: plot.querySelector('.gtitle').textContent,
+                 legend_top: plot.querySelector('.legend').getBoundingClientRect().bottom
+                             <= plot.querySelector('.nsewdrag').getBoundingClientRect().top + 1,
                  rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent),
-                 bars: plot.querySelectorAll('.bars path').length }}; }})()""")
-    assert "from 2 rank(s)" in figure["title"], figure
+                 row_px: plot.querySelector('.nsewdrag').getBoundingClientRect().height
+                         / plot.querySelectorAll('.ytick text').length,
+                 bars: plot.querySelectorAll('.bars path').length }}; }})()""",
+                           timeout=30, what="the run view's figure to show the whole trace")
+    assert figure["figures"] == 1, f"a second figure in the cell: {figure}"
+    assert figure["legend_top"] and figure["row_px"] >= 20, figure
     for rank in range(2):
         assert any(row.startswith(f"rank {rank} (") and row.endswith("· user") for row in figure["rows"]), figure
         assert any(row.startswith(f"rank {rank} (") and "shared_memory" in row for row in figure["rows"]), figure
     assert figure["bars"] >= 2 * STEPS
-    page.screenshot(tmp_path / "timeline.png", element=viewer)
+    page.screenshot(tmp_path / "timeline_cell.png", element=f"{cell}.querySelector('.jp-Cell-outputWrapper')")
+
+    # last_run(): a table, a row per rank, every rank done with exit 0.
+    report = f"document.querySelectorAll('.jp-Notebook .jp-CodeCell')[2].querySelector('.jp-OutputArea-output table')"
+    rows = page.wait_for(f"""(() => {{ const table = {report};
+        return !!table && [...table.querySelectorAll('tr')].slice(1).map(
+            tr => [...tr.querySelectorAll('td')].map(td => td.innerText)); }})()""",
+                         timeout=30, what="last_run() to show its table")
+    assert [row[:2] for row in rows] == [["0", "done"], ["1", "done"]] and [row[4] for row in rows] == ["0", "0"], rows
+    page.screenshot(tmp_path / "last_run.png", element=f"{report}.closest('.jp-OutputArea')")
     page.screenshot(tmp_path / "page.png")
-    assert (tmp_path / "run_view.png").stat().st_size > 5_000
-    assert (tmp_path / "timeline.png").stat().st_size > 5_000
-    assert (tmp_path / "live_lanes.png").stat().st_size > 5_000
+    assert page.evaluate(WARNING_BOXES) == []
+    for name in ("run_view.png", "timeline_cell.png", "live_lanes.png", "last_run.png"):
+        assert (tmp_path / name).stat().st_size > 5_000
+    # Last, so that the screenshots above are taken either way: the figure as drawn (its svg,
+    # not the element plotly draws into) fills the cell.
+    assert figure["width"] >= 0.95 * figure["cell_width"], f"the figure is narrower than the cell: {figure}"

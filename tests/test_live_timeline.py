@@ -58,7 +58,7 @@ def test_zooming_redraws_the_window_in_full_detail_and_double_click_brings_back_
         trace.write(0, [("allgather", f"op {i}", i * 100.0, 50.0, {"bytes": 8}) for i in range(20_000)])
     timeline = ZoomableTimeline(load_trace(path), max_shapes=1_000)
     whole = timeline.widget.data
-    assert "merged" in timeline.widget.layout.title.text
+    assert "how busy each lane was" in timeline.widget.layout.title.text
 
     # What the browser sends when the user drags over 100-110 ms: plotly's relayout event.
     timeline.widget.plotly_relayout({"xaxis.range[0]": 100.0, "xaxis.range[1]": 110.0})

@@ -151,10 +151,26 @@ def test_a_failing_rank_shows_its_traceback_and_the_next_cell_runs(kernel):
     assert out.error is not None and out.error["ename"] == "RankFailedError"
     assert "rank 1" in out.error["evalue"] and "loss is nan on rank 1" in out.error["evalue"]
     assert "line 5" in out.error["evalue"]  # the line number as the notebook shows it
+    # Shown once: the display printed the traceback; the error names who failed and the logs.
+    assert out.text.count("RuntimeError: loss is nan on rank 1") == 1, out.text
+    (shown,) = out.error["traceback"]
+    assert "loss is nan" not in shown and "rank 1" in shown and "full log is in" in shown
     record = kernel.run("import ddl_magic\nr = ddl_magic.last_run()\n"
                         "[(x.rank, x.status) for x in r.ranks], r.status")
     assert record.result == "([(0, 'stopped'), (1, 'failed')], 'failed')"
     assert kernel.run("%%horovod -np 2 --quiet\n1 + 1").result == "2"
+
+
+def test_a_collectives_error_shows_the_users_line_not_ddl_magics_frames(kernel):
+    out = kernel.run("%%horovod -np 2 --quiet\n"
+                     "import ddl_magic.torch as hvd\nhvd.init()\n"
+                     "hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0, 5]))")
+    assert out.error is not None and out.error["ename"] == "RankFailedError"
+    assert 'line 4, in <module>' in out.text and "process_set=hvd.ProcessSet([0, 5])" in out.text
+    assert "ValueError" in out.text and "inside ddl_magic not shown" in out.text
+    assert not re.search(r"ddl_magic/(runtime|torch)/\w+\.py", out.text), out.text
+    log = kernel.run("import ddl_magic\nr = ddl_magic.last_run()\nprint(r.log(r.ranks[0].failure.rank))")
+    assert re.search(r"ddl_magic/(runtime|torch)/\w+\.py", log.stdout)  # the log keeps every frame
 
 
 def test_unpicklable_variable_is_named_before_anything_starts(kernel):
@@ -192,7 +208,10 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
                      "while True:\n    hvd.allreduce(torch.ones(1000))",
                      timeout=60, on_output=on_output)
     pids = [int(pid) for pid in re.findall(r"READY (\d+)", "".join(seen))]
-    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
+    assert out.error is not None and out.error["ename"] == "CellInterrupted"
+    # One line saying so and where the logs are, not the driver loop's 45 frames.
+    assert len(out.error["traceback"]) == 1 and "interrupted" in out.error["traceback"][0], out.error
+    assert re.search(r"their logs are in \S*ddl_magic-runs", out.error["traceback"][0])
     assert pids_alive(pids) == []
     if kernel.on_spark:
         assert kernel.run(ACTIVE_SPARK_JOBS).result == "[]"

@@ -4,6 +4,7 @@ ipywidgets works without a notebook frontend, so these tests feed events straigh
 read the view's ``state()`` and its widgets' values.
 """
 
+import re
 import time
 
 import pytest
@@ -322,3 +323,62 @@ def test_the_view_renders_the_drivers_records_as_the_driver_decided_them():
     assert state["ranks"][0]["host"] == "node-a" and state["failed_rank"] == 0
     assert "rank 0 on node-a failed: exception" in view.widget.children[2].value
     assert "==== rank 0 (node-a) failed: exception ====" in text._err().getvalue()
+
+
+def test_the_live_summary_leaves_out_a_kind_no_rank_recorded():
+    view = make_view(timeline_interval_s=0.0, timeline_share=1.0)
+    view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
+    view.refresh()
+    summary_html = view.widget.children[-3].value
+    assert "<b>timeline so far</b>" in summary_html
+    assert "wait %" in summary_html and "compute %" not in summary_html  # nothing packed: no "–" column
+
+
+def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_path):
+    from ddl_magic.trace_columns import TraceFiles
+
+    path = tmp_path / "timeline.json"
+    with TraceFiles(path) as trace:
+        for rank in range(2):
+            trace.add_rank(rank, f"node-{rank}")
+            trace.write(rank, step_events(0, 100.0 + 500.0 * rank))
+    view = make_view(timeline_interval_s=0.0, timeline_share=1.0, timeline_path=str(path))
+    view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
+    view.refresh()
+    lanes = view.widget.children[-2]
+    view.finish("done")
+    assert view.widget.children[-2] is lanes  # the same figure, not a second one
+    assert [child for child in view.widget.children if "Figure" in type(child).__name__] == [lanes]
+    assert "grads 0" in {row[0] for bars in lanes.data for row in bars.customdata}  # names from the file
+    summary_html = view.widget.children[-3].value
+    assert summary_html.startswith("<b>timeline</b>") and "Waited longest: rank 1" in summary_html
+    assert "\n\ntimeline\nWaited longest: rank 1" in view.report_text()
+
+
+def test_no_empty_output_box_before_a_rank_prints():
+    view = make_view()
+    tabs = view.widget.children[3]
+    assert tabs.layout.display == "none"
+    view.handle(out(0, "hello"))
+    view.refresh()
+    assert tabs.layout.display is None
+
+
+def test_the_report_for_frontends_without_widgets_is_the_final_table_and_the_output():
+    view = make_view()
+    for rank in range(2):
+        view.handle(RankStarted(rank=rank, host="node-a", pid=100 + rank))
+        view.handle(out(rank, f"hello from {rank}"))
+    view.handle(RankFinished(rank=0))
+    view.handle(out(1, "RuntimeError: loss is NaN <1>"))
+    view.handle(RankFailed(rank=1, host="node-a", kind=FailureKind.RAISED, traceback=TRACEBACK, reason="exception"))
+    view.finish("failed")
+    text = view.report_text()
+    assert text.startswith("%%horovod -np 2 · failed after ")
+    assert "logs in /tmp/ddl_magic/run-7" in text.splitlines()[0]
+    assert re.search(r"^0 +done +node-a +[\d.]+ s +hello from 0$", text, re.M), text
+    assert re.search(r"^1 +failed +node-a", text, re.M), text
+    assert "[0] hello from 0\n[1] hello from 1" in text
+    assert "rank 1 on node-a failed: exception\nTraceback (most recent call last)" in text
+    html_report = view.report_html()
+    assert "failed after" in html_report and "hello from 1" in html_report and "&lt;1&gt;" in html_report

@@ -268,7 +268,7 @@ def test_the_trace_stays_valid_json_when_the_cell_is_interrupted(kernel, tmp_pat
                                   "import os, time\nimport ddl_magic.torch as hvd")
     out = kernel.run(f"%%horovod -np 2 --quiet --timeline {path}\n{cell.strip()}",
                      timeout=60, on_output=on_output)
-    assert out.error is not None and out.error["ename"] == "KeyboardInterrupt"
+    assert out.error is not None and out.error["ename"] == "CellInterrupted"
     events, metadata = load_events(path)
     assert sorted(process_names(metadata)) == [0, 1]
     assert {e["pid"] for e in events} == {0, 1}
@@ -284,6 +284,8 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
     figure_ids: set[str] = set()
     redraws: list[dict] = []
     summaries: list[str] = []
+    finals: list[str] = []  # the summary once the run is over
+    saved: list[dict] = []  # what the cell's output becomes for frontends without widgets
 
     def on_message(message: dict) -> None:
         content = message["content"]
@@ -294,6 +296,10 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
             redraws.append(state.get("_py2js_update") or state["_py2js_addTraces"])  # in place, or new lanes
         elif "timeline so far" in str(state.get("value", "")):
             summaries.append(state["value"])
+        elif str(state.get("value", "")).startswith("<b>timeline</b>"):
+            finals.append(state["value"])
+        elif message["msg_type"] == "update_display_data":
+            saved.append(content["data"])
         if len(redraws) >= 2 and not stop_file.exists():
             stop_file.touch()
 
@@ -316,7 +322,13 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
     finally:
         kernel.close()
     assert out.error is None, out.error
-    assert len(figure_ids) == 2  # the live lanes, then the full viewer once the run ended
+    assert len(figure_ids) == 1  # one figure: the live lanes become the whole trace's at the end
+    assert len(finals) == 1 and "Waited longest" in finals[0] and "timeline so far" not in finals[0]
+    assert out.displays == [] or all("FigureWidget" not in d.get("text/plain", "") for d in out.displays)
+    (report,) = saved
+    assert "application/vnd.jupyter.widget-view+json" in report
+    assert re.search(r"· done in [\d.]+ s", report["text/plain"]), report["text/plain"]
+    assert re.search(r"^1 +done ", report["text/plain"], re.M) and "\n\ntimeline\nWaited longest" in report["text/plain"]
     assert len(redraws) >= 2
     assert all(redraw.get("style_data") or redraw.get("trace_data") for redraw in redraws)
     recorded_s = [{int(rank): float(seconds) for rank, seconds in

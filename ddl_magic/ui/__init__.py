@@ -20,7 +20,7 @@ from ..rank_record import RankRecord
 from .run_view import RunView
 from .text_display import TextDisplay
 
-__all__ = ["RunDisplay", "RunView", "TextDisplay", "make_display", "show_timeline"]
+__all__ = ["RunDisplay", "RunView", "TextDisplay", "make_display", "show_timeline", "shows_run_view"]
 
 DISPLAY_ENV = "DDL_MAGIC_DISPLAY"
 
@@ -38,7 +38,7 @@ class RunDisplay(Protocol):
 
 
 def make_display(ranks: "int | list[RankRecord]", *, quiet: bool = False, log_dir: str | None = None,
-                 title: str = "") -> RunDisplay:
+                 title: str = "", timeline_path: str | None = None) -> RunDisplay:
     """The display for a run: ``RunView`` in a Jupyter kernel, else ``TextDisplay``.
 
     ``ranks`` is the run's list of `RankRecord`, which the driver keeps and the display
@@ -46,19 +46,27 @@ def make_display(ranks: "int | list[RankRecord]", *, quiet: bool = False, log_di
 
     Set ``DDL_MAGIC_DISPLAY=text`` to get the text display in a kernel too (frontends that do
     not render widgets). ``quiet`` prints only failures and the closing line, in any setting.
+    ``timeline_path``, for a run that records one, is where the run view reads the finished
+    run's timeline from, to draw it in its own figure.
 
     Example::
 
         display = make_display(4, log_dir="/tmp/ddl_magic/run-1", title="%%horovod -np 4")
     """
+    if quiet:
+        return TextDisplay(ranks, log_dir=log_dir, quiet=True)
+    if shows_run_view():
+        return RunView(ranks, title, log_dir, timeline_path=timeline_path)
+    return TextDisplay(ranks, log_dir=log_dir)
+
+
+def shows_run_view() -> bool:
+    """Whether a (not quiet) run shows as the widget run view here, which draws the run's
+    timeline itself: in a Jupyter kernel, unless ``DDL_MAGIC_DISPLAY=text``."""
     choice = os.environ.get(DISPLAY_ENV, "")
     if choice not in ("", "text"):
         raise ValueError(f"{DISPLAY_ENV}={choice!r} is not understood: set it to 'text' or unset it")
-    if quiet:
-        return TextDisplay(ranks, log_dir=log_dir, quiet=True)
-    if choice != "text" and _in_jupyter_kernel():
-        return RunView(ranks, title, log_dir)
-    return TextDisplay(ranks, log_dir=log_dir)
+    return choice != "text" and _in_jupyter_kernel()
 
 
 def _in_jupyter_kernel() -> bool:

@@ -16,7 +16,7 @@ Example:
     >>> live = LiveTimeline()
     >>> live.add(0, [("scatter_reduce", "grads", 0.0, 300.0, None), ("wait", "h", 300.0, 700.0, None)])
     >>> live.summary_line(elapsed_s=1.0)
-    '[timeline] 1.0 s · % of time waiting/communicating/computing: rank 0 70/30/–'
+    '[timeline] 1.0 s · % of time waiting/communicating: rank 0 70/30'
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .timeline_viewer import (
 )
 
 KINDS = ("wait", "communicate", "compute")
+_KIND_WORDS = {"wait": "waiting", "communicate": "communicating", "compute": "computing"}
 COMPACT_AT = 200_000
 """When this many intervals are kept, each row's are merged (``_compact``)."""
 
@@ -106,11 +107,18 @@ class LiveTimeline:
                            for kind in KINDS]
         return shown
 
+    def recorded_kinds(self) -> list[int]:
+        """The positions in ``KINDS`` of the kinds some rank recorded: a kind none did
+        (compute, where ranks share memory) is left out of summaries rather than dashed."""
+        shares = self.shares()
+        return [i for i in range(len(KINDS)) if any(shares[rank][i] != NOT_MEASURED for rank in shares)]
+
     def summary_line(self, elapsed_s: float) -> str:
         """One line saying, per rank, what share of its time went to each kind so far."""
-        parts = [f"rank {rank} {'/'.join(shares)}" for rank, shares in self.shares().items()]
-        return (f"[timeline] {elapsed_s:.1f} s · % of time waiting/communicating/computing: "
-                + " · ".join(parts))
+        shares, kinds = self.shares(), self.recorded_kinds()
+        parts = [f"rank {rank} {'/'.join(shown[i] for i in kinds)}" for rank, shown in shares.items()]
+        return (f"[timeline] {elapsed_s:.1f} s · % of time "
+                f"{'/'.join(_KIND_WORDS[KINDS[i]] for i in kinds)}: " + " · ".join(parts))
 
     def trace(self) -> TraceData:
         """The events so far, as ``build_figure`` draws them: times and lanes, no names (the

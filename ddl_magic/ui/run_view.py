@@ -31,6 +31,7 @@ import ipywidgets as widgets
 
 from ..events import Event, RankFailed, RankOutput, TimelineBatch
 from ..rank_record import RankRecord, RankStatus, new_records
+from .tracebacks import without_machinery_frames
 
 STATUS_COLOURS = {
     "starting": "#9e9e9e",
@@ -120,7 +121,7 @@ class RunView:
 
     def __init__(self, ranks: int | list[RankRecord], title: str, log_dir: str | None,
                  max_lines: int = 500, timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
-                 timeline_share: float = LIVE_TIMELINE_SHARE) -> None:
+                 timeline_share: float = LIVE_TIMELINE_SHARE, timeline_path: str | None = None) -> None:
         np = ranks if isinstance(ranks, int) else len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
@@ -134,6 +135,9 @@ class RunView:
         self.max_lines = max_lines
         self.timeline_interval_s = timeline_interval_s
         self.timeline_share = timeline_share
+        # Where the run's trace is written: when the run ends, the lanes and the summary are
+        # drawn from it (every event's name for hovering), and no second figure is needed.
+        self.timeline_path = timeline_path
         self._ranks = [RankOutputView(rank, BoundedLog(max_lines)) for rank in range(np)]
         self._all = BoundedLog(max_lines)
         self._all_changed = True
@@ -154,6 +158,10 @@ class RunView:
         self._live_summary = widgets.HTML()
         self._live_lanes = None
         self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and the next draw's time
+        self._timeline_problem = ""
+        self.timeline_text = ""
+        """The finished run's timeline summary as text (for frontends without widgets)."""
+        self._display_handle = None
         self.refresh()
 
     @property
@@ -162,10 +170,15 @@ class RunView:
         return self._root
 
     def display(self) -> None:
-        """Show the view in the current notebook cell's output."""
+        """Show the view in the current notebook cell's output.
+
+        What a frontend without widgets shows (nbconvert, GitHub, a CI log) is the output's
+        text and HTML, which ``finish`` replaces with the final report: without that, a saved
+        notebook would show the first frame, "running · 0/2 done", for ever.
+        """
         from IPython.display import display
 
-        display(self._root)
+        self._display_handle = display(self._root, display_id=True)
 
     def handle(self, event: Event) -> None:
         """Take one event into the view's state; the widgets change on the next ``refresh()``."""
@@ -187,6 +200,8 @@ class RunView:
         self._table.value = self._render_table(now)
         self._failure.value = self._render_failure()
         self._tabs.titles = ("all ranks", *(self._tab_title(record) for record in self._records))
+        # No rank printed anything yet: no empty bordered box under the table.
+        self._tabs.layout.display = None if self._all.appended else "none"
         for rank, tab in zip(self._ranks, self._rank_tabs):
             if rank.log_changed:
                 tab.value = self._render_log(rank.log, self._log_note(rank.log, rank.rank), labelled=False)
@@ -216,8 +231,42 @@ class RunView:
             if not record.ended:
                 record.end(RankStatus.STOPPED)
         self.refresh()
-        if self._live is not None:
-            self._draw_timeline(self._finished_at)
+        self._show_final_timeline()
+        if self._display_handle is not None:
+            bundle = self._root._repr_mimebundle_()
+            bundle.update({"text/plain": self.report_text(), "text/html": self.report_html()})
+            self._display_handle.update(bundle, raw=True)
+
+    def report_text(self) -> str:
+        """The run as plain text: the banner, a row per rank, the failure, every rank's
+        output as "all ranks" keeps it, and the timeline's summary."""
+        now = self._now()
+        header = ("rank", "status", "host", "elapsed", "last line")
+        rows = [(str(record.rank), record.status.value, record.host or "—",
+                 "—" if (elapsed := self._elapsed(record, now)) is None else _format_elapsed(elapsed),
+                 _shortened(rank.last_line)) for rank, record in zip(self._ranks, self._records)]
+        widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header) - 1)]
+        table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
+                 for row in (header, *rows)]
+        parts = [self._banner_text(now), "\n".join(line.rstrip() for line in table)]
+        if self._failures:
+            first = next(iter(self._failures.values()))
+            parts.append(f"rank {first.rank} on {first.host or self._records[first.rank].host or '?'} "
+                         f"failed: {first.reason}\n{self._shown_traceback(first)}".rstrip())
+        if self._all.appended:
+            note = self._log_note(self._all, None)
+            parts.append((f"{note}\n" if note else "")
+                         + "\n".join(f"[{line.rank}] {line.text}" for line in self._all.lines))
+        if self.timeline_text:
+            parts.append(f"timeline\n{self.timeline_text}")
+        return "\n\n".join(parts)
+
+    def report_html(self) -> str:
+        """The run as static HTML, for renderers without widgets: what ``report_text`` says."""
+        now = self._now()
+        log = self._render_log(self._all, self._log_note(self._all, None), labelled=True) if self._all.appended else ""
+        return (self._render_banner(now) + self._render_table(now) + self._render_failure() + log
+                + (self._live_summary.value if self.timeline_text else ""))
 
     def state(self) -> dict:
         """A plain snapshot of the view, for tests and for the run's record."""
@@ -286,8 +335,11 @@ class RunView:
     def _draw_timeline_now(self) -> None:
         self._live.rank_names = {r.rank: f"rank {r.rank} ({r.host})" if r.host else f"rank {r.rank}"
                                  for r in self._records}
-        self._live_summary.value = self._render_timeline_summary()
-        trace = self._live.trace()
+        self._live_summary.value = self._render_timeline_summary("timeline so far")
+        self._show_lanes(self._live.trace())
+
+    def _show_lanes(self, trace) -> None:
+        """Draw ``trace`` in the view's one figure, made (above the tabs) the first time."""
         if self._live_lanes is None:
             from .timeline_widget import ZoomableTimeline
 
@@ -297,16 +349,42 @@ class RunView:
         else:
             self._live_lanes.replace_trace(trace)
 
-    def _render_timeline_summary(self) -> str:
+    def _show_final_timeline(self) -> None:
+        """The run is over: the figure and the summary become the whole trace's, read from
+        its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
+        trace = None
+        if self.timeline_path is not None and os.path.exists(self.timeline_path):
+            from .timeline_viewer import load_trace, summary_report
+
+            try:
+                trace = load_trace(self.timeline_path)
+            except (OSError, ValueError) as exc:
+                self._timeline_problem = f"the timeline at {self.timeline_path} could not be read: {exc}"
+        if trace is not None:
+            self.timeline_text, summary_html = summary_report(trace)
+            self._live_summary.value = f"<b>timeline</b>{summary_html}"
+            if len(trace.events):
+                self._show_lanes(trace)
+            elif self._live_summary not in self._root.children:  # the summary says it is empty
+                children = self._root.children
+                self._root.children = (*children[:-1], self._live_summary, children[-1])
+        elif self._live is not None:
+            self._draw_timeline_now()
+            self._live_summary.value = self._render_timeline_summary("timeline")
+            self.timeline_text = self._live.summary_line(self._finished_at - self._started_at)
+
+    def _render_timeline_summary(self, heading: str) -> str:
         from .live_timeline import KINDS
 
-        summary, shares = self._live.summary(), self._live.shares()
-        rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{share}</td>' for share in shares[rank])}"
+        summary, shares, kinds = self._live.summary(), self._live.shares(), self._live.recorded_kinds()
+        rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{shares[rank][i]}</td>' for i in kinds)}"
                 f"<td>{summary[rank]['wall_ms'] / 1000.0:.1f}</td></tr>" for rank in summary]
-        header = ("<tr><th>rank</th>" + "".join(f"<th>{kind} %</th>" for kind in KINDS)
+        header = ("<tr><th>rank</th>" + "".join(f"<th>{KINDS[i]} %</th>" for i in kinds)
                   + "<th>recorded s</th></tr>")
         style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
-        return f'<b>timeline so far</b><table style="{style}">{header}{"".join(rows)}</table>'
+        problem = (f'<div style="color:{STATUS_COLOURS["failed"]}">{html.escape(self._timeline_problem)}</div>'
+                   if self._timeline_problem else "")
+        return f'<b>{heading}</b>{problem}<table style="{style}">{header}{"".join(rows)}</table>'
 
     def _rank(self, rank: int) -> RankOutputView:
         if not 0 <= rank < self.np:
@@ -337,8 +415,7 @@ class RunView:
     def _elapsed(self, record: RankRecord, now: float) -> float | None:
         if record.started_at is None:
             return None
-        end = record.ended_at if record.ended_at is not None else now
-        return end - record.started_at
+        return record.duration_s  # on the records' clock (epoch seconds), not the view's
 
     def _log_path(self, rank: int) -> str | None:
         return os.path.join(self.log_dir, f"rank-{rank}.log") if self.log_dir else None
@@ -346,20 +423,25 @@ class RunView:
     def _tab_title(self, record: RankRecord) -> str:
         return f"rank {record.rank} ✗" if record.status is RankStatus.FAILED else f"rank {record.rank}"
 
-    def _render_banner(self, now: float) -> str:
-        colour = OUTCOME_COLOURS[self._outcome]
+    def _outcome_summary(self, now: float) -> str:
         elapsed = _format_elapsed(now - self._started_at)
         if self._outcome == "running":
             done = sum(record.status is RankStatus.DONE for record in self._records)
-            summary = f"running · {done}/{self.np} done · {elapsed}"
-        elif self._outcome == "done":
-            summary = f"done in {elapsed}"
-        else:
-            summary = f"{self._outcome} after {elapsed}"
+            return f"running · {done}/{self.np} done · {elapsed}"
+        if self._outcome == "done":
+            return f"done in {elapsed}"
+        return f"{self._outcome} after {elapsed}"
+
+    def _banner_text(self, now: float) -> str:
+        logs = f" · logs in {self.log_dir}" if self.log_dir else ""
+        return f"{self.title} · {self._outcome_summary(now)}{logs}"
+
+    def _render_banner(self, now: float) -> str:
+        colour = OUTCOME_COLOURS[self._outcome]
         logs = f" · logs in <code>{html.escape(self.log_dir)}</code>" if self.log_dir else ""
         return (
             f"<div><b>{html.escape(self.title)}</b> · "
-            f'<b style="color:{colour}">{summary}</b>{logs}</div>'
+            f'<b style="color:{colour}">{self._outcome_summary(now)}</b>{logs}</div>'
         )
 
     def _render_table(self, now: float) -> str:
@@ -368,9 +450,7 @@ class RunView:
             elapsed = self._elapsed(record, now)
             failed = record.status is RankStatus.FAILED
             background = f' style="background:{FAILED_ROW_BACKGROUND}"' if failed else ""
-            last_line = rank.last_line
-            if len(last_line) > LAST_LINE_CHARS:
-                last_line = last_line[: LAST_LINE_CHARS - 1] + "…"
+            last_line = _shortened(rank.last_line)
             rows.append(
                 f"<tr{background}><td>{rank.rank}</td><td>{_badge(record.status)}</td>"
                 f"<td>{html.escape(record.host) or '—'}</td>"
@@ -393,8 +473,11 @@ class RunView:
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
             f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
-            f'<pre style="margin:4px 0">{html.escape(first.traceback)}</pre>{also}</div>'
+            f'<pre style="margin:4px 0">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
         )
+
+    def _shown_traceback(self, failure: RankFailed) -> str:
+        return without_machinery_frames(failure.traceback, self._log_path(failure.rank) or "the rank's log")
 
     def _log_note(self, log: BoundedLog, rank: int | None) -> str:
         if not log.dropped:
@@ -417,6 +500,10 @@ class RunView:
             f'display:flex;flex-direction:column-reverse">'
             f'<pre style="margin:0">{html.escape(text)}</pre></div>'
         )
+
+
+def _shortened(line: str) -> str:
+    return line if len(line) <= LAST_LINE_CHARS else line[: LAST_LINE_CHARS - 1] + "…"
 
 
 def _badge(status: RankStatus) -> str:

@@ -27,6 +27,7 @@ from typing import TextIO
 
 from ..events import Event, RankFailed, RankOutput, TimelineBatch
 from ..rank_record import RankRecord, new_records
+from .tracebacks import without_machinery_frames
 
 PROGRESS_INTERVAL_S = 2.0
 TIMELINE_SUMMARY_INTERVAL_S = 5.0
@@ -179,7 +180,8 @@ class TextDisplay:
             return
         self._write(stream, f"==== {where} failed: {failure.reason} ====")
         if failure.traceback:
-            self._write(stream, failure.traceback.rstrip("\n"))
+            full_log = self._records[failure.rank].log_path or "the rank's log"
+            self._write(stream, without_machinery_frames(failure.traceback, full_log).rstrip("\n"))
         # A failure is the one thing that must be seen at once, not at the next refresh.
         self._flush()
 

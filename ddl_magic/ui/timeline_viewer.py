@@ -3,9 +3,10 @@
 The viewer summarises before it draws: ``summarize`` says per rank how much time went to
 computing, communicating and waiting, and what bus bandwidth the collectives achieved
 (numbers, for programs), ``format_summary`` turns that into the table a person reads; the
-figure then shows a row per (rank, lane). Big traces are drawn as merged busy intervals, so a
-million events still make a figure of a megabyte or two at most instead of crashing the
-browser, as Horovod's 400 MB timelines did in chrome://tracing.
+figure then shows a row per (rank, lane). Zoomed out over many events, a row shows the share of
+each stretch of time its lane was busy, so a million events still make a figure of a megabyte
+or two at most instead of crashing the browser, as Horovod's 400 MB timelines did in
+chrome://tracing.
 
 Two formats are read:
 
@@ -35,6 +36,7 @@ import math
 import operator
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,35 @@ _HOROVOD_RANK_READY = "NEGOTIATE_RANK_READY"
 
 _CHROME_EVENT_FIELDS = operator.itemgetter("pid", "tid", "cat", "name", "ts", "dur", "args")
 
-_LANE_COLORS = plotly.colors.qualitative.Plotly + plotly.colors.qualitative.Dark24
+# A lane keeps its colour in every run and every figure: waiting reds and oranges,
+# communicating blues and greens, computing browns and purples. Lanes not named here take a
+# colour chosen by their name, so they too keep it from run to run.
+_FIXED_LANE_COLORS = {
+    "user": "#78909c",
+    "wait": "#e53935",
+    "negotiate": "#fb8c00",
+    "queue": "#fdd835",
+    "compress": "#8e24aa",
+    "pack": "#6d4c41",
+    "scatter_reduce": "#1e88e5",
+    "allgather": "#43a047",
+    "broadcast": "#00acc1",
+    "shared_memory": "#3949ab",
+    "unpack": "#d81b60",
+}
+_OTHER_LANE_COLORS = plotly.colors.qualitative.Dark24
+
+# Zoomed out, a row shows the share of each stretch of time its lane was busy, in this many
+# stretches at most (about two pixels each on a notebook-wide figure)...
+_COVERAGE_BINS = 600
+# ... unless every row's events can be seen one by one: fewer than this many of them are
+# narrower than a stretch (many thin bars drawn a pixel wide each would look solid).
+_THIN_EVENTS_SHOWN_ONE_BY_ONE = 60
+# A busy share this small still shows a faint bar, so a lane that did something is seen.
+_FAINTEST_OPACITY = 0.06
+# Rows keep this many pixels each, whatever their number; the rest is title, legend and axis.
+_ROW_HEIGHT_PX = 26
+_FIGURE_MARGIN_PX = 170
 
 
 @dataclasses.dataclass
@@ -278,7 +308,8 @@ def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
     units in the headers, three significant digits (whole numbers from 100 on), and "–"
     for what the trace did not record. Waiting comes right after the rank's wall time, in
     milliseconds and as a share of it: which rank waited most is usually the first
-    question. Every cell is text; ``summarize`` keeps the numbers.
+    question. "compute ms" is left out when no rank recorded any. Every cell is text;
+    ``summarize`` keeps the numbers.
 
     Example:
         >>> print(format_summary(summarize(load_trace("run.timeline.json"))).to_string())  # doctest: +SKIP
@@ -299,6 +330,10 @@ def format_summary(summary: pd.DataFrame) -> pd.DataFrame:
         "events": summary["events"].map("{:,}".format),
         "slowest tensors": summary["top_tensors"].replace("", NOT_MEASURED),
     })
+    if summary["compute_ms"].isna().all():
+        # Ranks that share memory pack inside their collective, so no rank recorded compute
+        # time apart from it: a column of dashes would only look like something went wrong.
+        table = table.drop(columns="compute ms")
     table.index = pd.Index([_rank_label(rank, name) for rank, name in summary["name"].items()])
     table.columns.name = "rank"
     return table
@@ -309,12 +344,12 @@ def build_figure(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
     """A zoomable timeline: one row per (rank, lane), one bar per event.
 
     Each lane is one trace (its bars on every rank's row), so the figure stays light however
-    many events and ranks it has, and clicking a lane in the legend hides it on every rank. With more
-    than ``max_shapes`` events it draws, per row, the busy intervals merged at the
-    resolution the full trace is seen at (gaps too short to see are closed; a bar's
-    opacity shows how busy it was); ``trace.between(start_ms, end_ms)`` gives the events of
-    a window to draw in full detail, as the title says (``how_to_see_more``: a zoomable
-    widget says "zoom in").
+    many events and ranks it has, and clicking a lane in the legend hides it on every rank.
+    When the events are too many, or too many are too thin to see one by one, each row shows
+    instead the share of every stretch of time (1/600 of the trace) that its lane was busy,
+    as the bar's opacity; ``trace.between(start_ms, end_ms)`` gives the events of a window
+    to draw in full detail, as the title says (``how_to_see_more``: a zoomable widget says
+    "zoom in"). Lane colours are fixed by lane name (``lane_color``).
 
     Example:
         >>> figure = build_figure(load_trace("run.timeline.json"))   # doctest: +SKIP
@@ -331,12 +366,12 @@ def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
     events, rows, origin_us = trace.events, trace.rows, trace.origin_us
     first_us = float(events["start_us"].min()) if len(events) else origin_us
     span_us = float((events["start_us"] + events["duration_us"]).max() - first_us) if len(events) else 0.0
-    detailed = len(events) <= max_shapes
-    # Gaps shorter than this are invisible at full zoom, so closing them loses nothing seen;
-    # it also bounds each row to max_shapes / len(rows) merged intervals.
-    resolution_us = span_us / max(max_shapes // max(len(rows), 1), 1)
-    lane_colors = _lane_colors(rows)
+    bins = max(min(_COVERAGE_BINS, max_shapes // max(len(rows), 1)), 1)
+    bin_us = span_us / bins if span_us > 0 else 1.0
     indices = events.groupby(["rank", "lane"], observed=True, sort=False).indices
+    detailed = len(events) <= max_shapes and all(
+        np.count_nonzero(events["duration_us"].to_numpy()[at] < bin_us) < _THIN_EVENTS_SHOWN_ONE_BY_ONE
+        for at in indices.values())
 
     bars_of_lane: dict[str, list[dict[str, np.ndarray]]] = {}
     for y, (rank, lane) in enumerate(rows):
@@ -347,26 +382,31 @@ def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
         if detailed:
             bars = _event_bars(events, at, y, origin_us, row_label)
         else:
-            bars = _merged_bars(events, at, y, origin_us, resolution_us, row_label)
+            bars = _coverage_bars(events, at, y, origin_us, first_us - origin_us, bin_us, bins, row_label)
         bars_of_lane.setdefault(lane, []).append(bars)
 
     traces = []
     for lane, parts in bars_of_lane.items():
         bars = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-        for lane_trace in (_detailed_traces(bars) if detailed else _merged_traces(bars)):
-            lane_trace["marker"]["color"] = lane_colors[lane]
+        for lane_trace in (_detailed_traces(bars) if detailed else _coverage_traces(bars)):
+            lane_trace["marker"]["color"] = lane_color(lane)
             traces.append({**lane_trace, "name": lane, "legendgroup": lane})
 
     shown = "every event" if detailed else (
-        f"busy intervals merged at {resolution_us / 1000.0:.3g} ms; {how_to_see_more}")
+        f"how busy each lane was per {bin_us / 1000.0:.3g} ms (darker: busier); {how_to_see_more}")
     layout = dict(
         title=dict(text=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
-                        + (" (file was cut short)" if trace.truncated else "")),
+                        + (" (file was cut short)" if trace.truncated else ""),
+                   x=0, xanchor="left", y=1, yanchor="top", yref="container", pad=dict(t=8)),
+        autosize=True,  # as wide as the cell (plotly's default is a fixed 700 px)
         barmode="overlay",
         bargap=0.2,
         hovermode="closest",
-        height=160 + 24 * len(rows),
-        legend=dict(title=dict(text="lane (click to hide)")),
+        height=_FIGURE_MARGIN_PX + _ROW_HEIGHT_PX * len(rows),
+        margin=dict(t=90, b=50, r=20),
+        # Above the lanes, in a row: beside them it took a third of the width.
+        legend=dict(orientation="h", x=0, xanchor="left", y=1.0, yanchor="bottom",
+                    title=dict(text="lane (click to hide):")),
         xaxis=dict(title=dict(text="time since the first event (ms)"), showgrid=True, zeroline=False),
         yaxis=dict(
             tickmode="array",
@@ -375,6 +415,7 @@ def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
             autorange="reversed",
             showgrid=False,
             zeroline=False,
+            automargin=True,
         ),
         shapes=_rank_separators(rows),
     )
@@ -401,10 +442,23 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
             "HorovodRunner(np, timeline=PATH) or ddlrun --timeline PATH to record one"
         )
     trace = load_trace(path)
-    summary = summarize(trace)
     from IPython import get_ipython
     from IPython.display import display
 
+    text, summary_html = summary_report(trace)
+    if get_ipython() is not None:
+        from .timeline_widget import ZoomableTimeline
+
+        display(ZoomableTimeline(trace, max_shapes).widget)
+        display({"text/plain": text, "text/html": summary_html}, raw=True)
+    else:
+        print(text)
+
+
+def summary_report(trace: TraceData) -> tuple[str, str]:
+    """What is shown under a trace's figure, as text and as HTML: the line naming who waited
+    longest and shortest, then ``format_summary``'s table."""
+    summary = summarize(trace)
     headline, table = _waiting_headline(summary), format_summary(summary)
     text, table_html = headline, ""
     if not table.empty:
@@ -412,13 +466,7 @@ def show_timeline(path_or_run: Any, max_shapes: int = DEFAULT_MAX_SHAPES) -> Non
         text += "\n" + table.to_string(col_space={column: len(column) + 1 for column in table})
         with pd.option_context("display.max_colwidth", None):  # the whole list of slowest tensors
             table_html = table.to_html(notebook=True)
-    if get_ipython() is not None:
-        from .timeline_widget import ZoomableTimeline
-
-        display(ZoomableTimeline(trace, max_shapes).widget)
-        display({"text/plain": text, "text/html": f"<p>{html.escape(headline)}</p>{table_html}"}, raw=True)
-    else:
-        print(text)
+    return text, f"<p>{html.escape(headline)}</p>{table_html}"
 
 
 @contextlib.contextmanager
@@ -839,10 +887,16 @@ def _per_category(values: pd.Series, function: Any, default: Any, dtype: Any) ->
     return table[categorical.codes]  # the code of a missing value, -1, picks the default
 
 
-def _lane_colors(rows: list[tuple[int, str]]) -> dict[str, str]:
-    """One color per lane, the same on every rank."""
-    lanes = dict.fromkeys(lane for _, lane in rows)
-    return {lane: _LANE_COLORS[i % len(_LANE_COLORS)] for i, lane in enumerate(lanes)}
+def lane_color(lane: str) -> str:
+    """The colour of ``lane``, the same in every figure and every run.
+
+    Example:
+        >>> lane_color("scatter_reduce") == lane_color("scatter_reduce")
+        True
+    """
+    if lane in _FIXED_LANE_COLORS:
+        return _FIXED_LANE_COLORS[lane]
+    return _OTHER_LANE_COLORS[zlib.crc32(lane.encode()) % len(_OTHER_LANE_COLORS)]
 
 
 def _event_bars(
@@ -886,36 +940,47 @@ def _detailed_traces(bars: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     return traces
 
 
-def _merged_bars(
-    events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, resolution_us: float, row_label: str
+def _coverage_bars(
+    events: pd.DataFrame, at: np.ndarray, y: int, origin_us: float, first_us: float, bin_us: float,
+    bins: int, row_label: str
 ) -> dict[str, np.ndarray]:
-    """One row's busy intervals with gaps under ``resolution_us`` closed, as bars (ms)."""
+    """One row as the share of each ``bin_us`` stretch (from ``first_us``, relative to
+    ``origin_us``) that its events covered: a bar per stretch with any, its opacity that share.
+
+    Merging close intervals into solid bars instead would draw a rank that waits 4 % of the
+    time as solid as one that waits 93 %; the share keeps that honest at any zoom.
+    """
     start = events["start_us"].to_numpy()[at] - origin_us
     end = start + events["duration_us"].to_numpy()[at]
-    # Exact busy time first (union of the events), then close the gaps nobody could see.
-    union_start, union_end, union_first = merge_intervals(start, end, 0.0)
-    union_counts = np.diff(np.concatenate((union_first, [len(start)])))
-    group_start, group_end, group_first = merge_intervals(union_start, union_end, resolution_us)
-    busy_us = np.add.reduceat(union_end - union_start, group_first)
-    counts = np.add.reduceat(union_counts, group_first)
-    # A bar narrower than the resolution would vanish at full zoom; draw it one unit wide.
-    width_us = np.maximum(group_end - group_start, resolution_us)
-    busy_fraction = np.clip(busy_us / np.maximum(group_end - group_start, 1e-9), 0.0, 1.0)
-    busy_fraction[group_end == group_start] = 1.0
-    details = np.empty((len(group_start), 4), dtype=object)
-    details[:, 0], details[:, 1] = counts, np.round(busy_us / 1000.0, 3)
-    details[:, 2], details[:, 3] = np.round(group_start / 1000.0, 3), row_label
-    return {"base": group_start / 1000.0, "x": width_us / 1000.0, "y": np.full(len(group_start), y),
-            "opacity": 0.25 + 0.75 * busy_fraction, "customdata": details}
+    union_start, union_end, _ = merge_intervals(start, end, 0.0)
+    # Covered time up to t is piecewise linear through the unions' ends; sampled at every
+    # stretch's edges, its differences are exactly each stretch's covered time.
+    covered_before = np.concatenate(([0.0], np.cumsum(union_end - union_start)[:-1]))
+    knots_t = np.column_stack((union_start, union_end)).ravel()
+    knots_covered = np.column_stack((covered_before, covered_before + union_end - union_start)).ravel()
+    edges = first_us + bin_us * np.arange(bins + 1)
+    covered = np.diff(np.interp(edges, knots_t, knots_covered))
+    share = np.clip(covered / bin_us, 0.0, 1.0)
+    # Events that start in a stretch; an event that took no time still marks its stretch.
+    counts = np.bincount(np.clip(((start - first_us) // bin_us).astype(np.int64), 0, bins - 1),
+                         minlength=bins)
+    shown = (share > 0) | (counts > 0)
+    details = np.empty((int(shown.sum()), 4), dtype=object)
+    details[:, 0], details[:, 1] = counts[shown], np.round(100.0 * share[shown], 1)
+    details[:, 2], details[:, 3] = np.round(edges[:-1][shown] / 1000.0, 3), row_label
+    return {"base": edges[:-1][shown] / 1000.0, "x": np.full(len(details), bin_us / 1000.0),
+            "y": np.full(len(details), y),
+            "opacity": _FAINTEST_OPACITY + (1.0 - _FAINTEST_OPACITY) * share[shown],
+            "customdata": details}
 
 
-def _merged_traces(bars: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    """One lane's busy intervals; a bar's opacity says how busy it was."""
+def _coverage_traces(bars: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """One lane's stretches; a bar's opacity is the share of its stretch the lane was busy."""
     return [dict(
         type="bar", orientation="h", base=bars["base"], x=bars["x"], y=bars["y"], width=0.8,
         marker=dict(line=dict(width=0), opacity=bars["opacity"]), customdata=bars["customdata"],
-        hovertemplate=("<b>%{customdata[0]:,} events</b><br>%{customdata[3]}<br>"
-                       "from %{customdata[2]} ms over %{x:.3f} ms, busy %{customdata[1]} ms"
+        hovertemplate=("<b>busy %{customdata[1]} % of %{x:.3g} ms</b><br>%{customdata[3]}<br>"
+                       "from %{customdata[2]} ms; %{customdata[0]:,} events start here"
                        "<extra></extra>"),
     )]
 

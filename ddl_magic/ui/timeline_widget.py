@@ -14,13 +14,29 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import plotly.graph_objects as go
 
 from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, figure_parts
 
 ZOOM_HINT = "zoom in to see every event"
+
+
+class FullWidthFigureWidget(go.FigureWidget):
+    """A plotly ``FigureWidget`` as wide as the cell (or the box) that shows it, also when
+    the cell's width changes.
+
+    Plotly's own is drawn before JupyterLab puts it on the page, where it has no width, and
+    stays at plotly's fallback of 700 px: since plotly 6 its views never hear of a width again
+    (plotly/plotly.py#5208). This one's frontend is plotly's, loaded from plotly's own
+    module, with each view watching its width (``full_width_figure.js`` says how).
+    """
+
+    _esm = (f"const PLOTLY_WIDGET = {json.dumps(str(go.FigureWidget._esm))};\n"
+            + (Path(__file__).parent / "full_width_figure.js").read_text())
 
 
 class ZoomableTimeline:
@@ -36,7 +52,7 @@ class ZoomableTimeline:
         self.on_rank_click = on_rank_click
         self.window_ms: tuple[float, float] | None = None
         traces, layout = self._parts(trace)
-        self.widget = go.FigureWidget(data=traces, layout=layout)
+        self.widget = FullWidthFigureWidget(data=traces, layout=layout)
         self._listen_to_clicks()
         self.widget.layout.on_change(self._on_x_axis_change, "xaxis.range", "xaxis.autorange")
 

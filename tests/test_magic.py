@@ -1,0 +1,30 @@
+"""The %%horovod magic's help and its answers to mistyped lines (no kernel needed)."""
+
+import pytest
+
+from ddl_magic.magic import HorovodMagics, HorovodUsageError
+
+
+def run_line(line: str) -> None:
+    HorovodMagics(shell=None).horovod(line, "1")
+
+
+def test_the_help_opens_with_the_cell_magics_own_usage_line():
+    usage = HorovodMagics.horovod.__doc__.split("\n\n")[1].strip()
+    assert usage.startswith("%%horovod -np NP ") and "[--timeline [PATH]]" in usage
+
+
+@pytest.mark.parametrize("line, suggestion", [
+    ("-np 2 --timline", "did you mean --timeline?"),
+    ("-np 2 --quite --gpuu", "did you mean --quiet and --gpu?"),
+])
+def test_a_mistyped_option_gets_the_closest_real_one(line, suggestion):
+    with pytest.raises(HorovodUsageError, match="unrecognized arguments") as error:
+        run_line(line)
+    assert suggestion in str(error.value) and "See %%horovod? for every option" in str(error.value)
+
+
+def test_an_unknown_word_that_resembles_nothing_gets_no_guess():
+    with pytest.raises(HorovodUsageError) as error:
+        run_line("-np 2 --zzzzzz")
+    assert "did you mean" not in str(error.value)
