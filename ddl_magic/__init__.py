@@ -32,7 +32,7 @@ def __getattr__(name: str):
 
 def show_timeline(path_or_run, **options) -> None:
     """Show a run's timeline (a path, or `last_run()`) in the notebook: see ddl_magic.ui."""
-    from .ui.timeline_viewer import show_timeline as show
+    from .ui.show_timeline import show_timeline as show
 
     show(path_or_run, **options)  # plotly and pandas load only when a timeline is shown
 __version__ = "0.1.0"

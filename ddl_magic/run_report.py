@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from .launch.local import describe_exit
+from .attribution import describe_exit
 from .rank_record import RankRecord, RankStatus
 
 if TYPE_CHECKING:

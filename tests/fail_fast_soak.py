@@ -184,10 +184,13 @@ class Soak:
 
     def failing(self, kind: str) -> Outcome:
         code, rank, reason, deadline = FAILING[kind]
+        # Only the absent rank's run shortens the collective timeout: below the peer timeout it
+        # would also end the others' wait for a stopped rank first (a peer timed out, as asked).
+        absent = kind == "absent from a collective"
         if deadline is None:
-            deadline = self.peer_timeout_s if kind == "SIGSTOP" else self.collective_timeout_s
-        exit_code, lines, seconds = self.ddlrun(kind, code,
-                                                [f"DDL_MAGIC_TIMEOUT={self.collective_timeout_s:g}"])
+            deadline = self.collective_timeout_s if absent else self.peer_timeout_s
+        env = [f"DDL_MAGIC_TIMEOUT={self.collective_timeout_s:g}"] if absent else []
+        exit_code, lines, seconds = self.ddlrun(kind, code, env)
         failing_at = next((float(text.split("FAILING AT ")[1]) for _, text in lines
                            if "FAILING AT " in text), None)
         named = next(((at, text) for at, text in lines

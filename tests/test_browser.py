@@ -386,7 +386,7 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
     page.screenshot(tmp_path / "timeline_cell.png", element=f"{cell}.querySelector('.jp-Cell-outputWrapper')")
 
     # last_run(): a table, a row per rank, every rank done with exit 0.
-    report = f"document.querySelectorAll('.jp-Notebook .jp-CodeCell')[2].querySelector('.jp-OutputArea-output table')"
+    report = "document.querySelectorAll('.jp-Notebook .jp-CodeCell')[2].querySelector('.jp-OutputArea-output table')"
     rows = page.wait_for(f"""(() => {{ const table = {report};
         return !!table && [...table.querySelectorAll('tr')].slice(1).map(
             tr => [...tr.querySelectorAll('td')].map(td => td.innerText)); }})()""",

@@ -225,7 +225,7 @@ def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, clust
     name = (started / "rank-1").read_text()
     host = next(h for h in cluster.hosts if h.name == name)
     cluster.cut_link(host)
-    cut_at = time.monotonic()
+    cut_at, cut_at_epoch = time.monotonic(), time.time()  # (the ranks' records keep epoch time)
     try:
         thread.join(timeout=PEER_TIMEOUT_S + 60)
     finally:
@@ -236,7 +236,7 @@ def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, clust
     cut_off = sorted(r.rank for r in error.run.ranks if r.host == name)
     # When the driver judged the host lost (it shows so at once), and when the run had ended,
     # its ranks elsewhere stopped and the Spark job cancelled.
-    named_after = min(error.run.ranks[rank].ended_at for rank in cut_off) - cut_at
+    named_after = min(error.run.ranks[rank].ended_at for rank in cut_off) - cut_at_epoch
     ended_after = outcome["at"] - cut_at
     print(f"the cut link was named {named_after:.2f} s after the cut, and the run had ended "
           f"{ended_after:.2f} s after it (peer timeout {PEER_TIMEOUT_S} s)")

@@ -24,9 +24,9 @@ from ddl_magic.ui.timeline_viewer import (
     lane_category,
     lane_color,
     load_trace,
-    show_timeline,
     summarize,
 )
+from ddl_magic.ui.show_timeline import show_timeline
 
 MB = 1_000_000
 

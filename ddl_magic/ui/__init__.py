@@ -78,7 +78,7 @@ def _in_jupyter_kernel() -> bool:
 def __getattr__(name: str) -> Any:
     # The timeline viewer imports plotly, which is slow to import; load it only when asked for.
     if name == "show_timeline":
-        from .timeline_viewer import show_timeline
+        from .show_timeline import show_timeline
 
         return show_timeline
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
