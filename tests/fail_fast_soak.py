@@ -3,14 +3,15 @@
     .venv/bin/python tests/fail_fast_soak.py                  # 200 runs, 4 busy processes
     .venv/bin/python tests/fail_fast_soak.py --runs 20 --short
 
-Each run is a real `ddlrun -np 2` of one workload, in turn: healthy ones (DDP over gloo and
-over `ddl`, FSDP, Horovod's API with `DistributedOptimizer`, a rank holding its GIL in
-native code for longer than the peer timeout, a `torch.save` of a 200 MB state dict, the
-Iris `TorchEstimator` on Spark `local[4]`) and one in ten a true failure (a rank SIGKILLed,
-SIGSTOPped, raising, or absent from a collective). A healthy run passes when it exits 0; a
-failing one when ddlrun names the right rank, for the right reason, within its deadline,
-counted from the moment the rank printed that it is about to fail. `--short` (CI's version)
-holds the GIL for 8 s against a 3 s peer timeout instead of 30 s against 10 s.
+Each run is one workload on 2 real local ranks, started from this process as a notebook
+kernel starts them (the rank factory stays warm between runs), in turn: healthy ones (DDP
+over gloo and over `ddl`, FSDP, Horovod's API with `DistributedOptimizer`, a rank holding its
+GIL in native code for longer than the peer timeout, a `torch.save` of a 200 MB state dict,
+the Iris `TorchEstimator` on Spark `local[4]`) and one in ten a true failure (a rank
+SIGKILLed, SIGSTOPped, raising, or absent from a collective). A healthy run passes when it
+ends well; a failing one when the driver names the right rank, for the right reason, within
+its deadline, counted from the moment the rank wrote that it is about to fail. `--short`
+(CI's version) holds the GIL for 8 s against a 3 s peer timeout instead of 30 s against 10 s.
 
 Prints a line per run and a table, writes ``benchmarks/results/fail_fast_soak.json``, and
 exits 1 on any false or late failure.
@@ -23,16 +24,13 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAILURE_LINE = "==== rank "  # ddlrun's "==== rank 1 (host) failed: reason ===="
 
 PRELUDE = """
 import os, signal, sys, threading, time
@@ -130,7 +128,7 @@ else:
     threading.Event().wait(300)
 """, 0, "collective timed out", None),
 }
-SLACK_S = 2.0  # past a deadline: the driver's settle time and this script's own wake-up
+SLACK_S = 1.0  # past a deadline: the driver's loop and the report's own way to it
 
 
 @dataclass
@@ -151,36 +149,32 @@ class Soak:
     folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ddl_soak-")))
 
     def environment(self) -> dict[str, str]:
-        return {**os.environ, "DDL_MAGIC_PEER_TIMEOUT": str(self.peer_timeout_s),
-                "DDL_MAGIC_DISPLAY": "text", "SOAK_GIL_SECONDS": str(self.gil_seconds),
-                "PYTHONPATH": str(ROOT)}
+        """For this process (the driver, as a notebook kernel is) and the ranks it starts."""
+        return {"DDL_MAGIC_PEER_TIMEOUT": str(self.peer_timeout_s), "DDL_MAGIC_DISPLAY": "text",
+                "SOAK_GIL_SECONDS": str(self.gil_seconds)}
 
-    def ddlrun(self, name: str, code: str, env: list[str] = ()) -> tuple[int, list, float]:
-        """Run `code` on 2 ranks; (exit code, [(arrival time, line)], seconds)."""
+    def run(self, name: str, code: str, env: dict[str, str] | None = None):
+        """Run `code` as a script on 2 local ranks, from this process, as a notebook runs a
+        cell: (the run's record, its error or None, seconds)."""
+        from ddl_magic.job import Job, JobOptions, RankFailedError
+        from ddl_magic.launch.local import LocalLauncher
+        from ddl_magic.tasks import ScriptTask
+
         script = self.folder / (name.replace(" ", "_").replace(".", "") + ".py")
         script.write_text(PRELUDE + code)
-        command = [sys.executable, "-m", "ddl_magic.run", "-np", "2"]
-        for pair in env:
-            command += ["--env", pair]
+        options = JobOptions(timeout_s=300, env=env or {}, hide_output=True, title=name)
         started = time.monotonic()
-        process = subprocess.Popen([*command, "python", str(script)], cwd=self.folder,
-                                   env=self.environment(), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-        lines = []
-        timer = threading.Timer(300, process.kill)  # no run of this soak may hang it
-        timer.start()
-        try:
-            for line in process.stdout:
-                lines.append((time.time(), line.rstrip("\n")))
-            code = process.wait()
-        finally:
-            timer.cancel()
-        return code, lines, time.monotonic() - started
+        try:  # (a run that hangs ends at its timeout: RunTimeoutError, a wrong outcome)
+            record = Job(ScriptTask(str(script), []), 2, LocalLauncher(), options).run()
+            return record, None, time.monotonic() - started
+        except RankFailedError as error:
+            return error.run, error, time.monotonic() - started
+        except Exception as error:  # a timeout, or a bug of ours: never a right outcome
+            return None, error, time.monotonic() - started
 
     def healthy(self, name: str) -> Outcome:
-        code, lines, seconds = self.ddlrun(name, HEALTHY[name])
-        tail = "\n".join(text for _, text in lines[-15:])
-        return Outcome(name, False, code == 0, seconds, detail="" if code == 0 else tail)
+        _, error, seconds = self.run(name, HEALTHY[name])
+        return Outcome(name, False, error is None, seconds, detail=str(error or "")[-2000:])
 
     def failing(self, kind: str) -> Outcome:
         code, rank, reason, deadline = FAILING[kind]
@@ -189,21 +183,24 @@ class Soak:
         absent = kind == "absent from a collective"
         if deadline is None:
             deadline = self.collective_timeout_s if absent else self.peer_timeout_s
-        env = [f"DDL_MAGIC_TIMEOUT={self.collective_timeout_s:g}"] if absent else []
-        exit_code, lines, seconds = self.ddlrun(kind, code, env)
-        failing_at = next((float(text.split("FAILING AT ")[1]) for _, text in lines
-                           if "FAILING AT " in text), None)
-        named = next(((at, text) for at, text in lines
-                      if text.startswith(FAILURE_LINE) and " failed: " in text), None)
+        env = {"DDL_MAGIC_TIMEOUT": f"{self.collective_timeout_s:g}"} if absent else {}
+        record, error, seconds = self.run(kind, code, env)
         outcome = Outcome(kind, True, False, seconds)
-        if exit_code == 0 or failing_at is None or named is None:
-            outcome.detail = "\n".join(text for _, text in lines[-15:])
+        failing_at = None
+        if record is not None:
+            failing_at = next((float(line.split("FAILING AT ")[1])
+                               for line in record.log(rank).splitlines() if "FAILING AT " in line),
+                              None)
+        if error is None or not hasattr(error, "rank") or failing_at is None:
+            outcome.detail = f"no failure named as expected: {error!r}"[-2000:]
             return outcome
-        outcome.named_after_s = named[0] - failing_at
-        right = named[1].startswith(f"{FAILURE_LINE}{rank} ") and f"failed: {reason}" in named[1]
-        outcome.ok = right and outcome.named_after_s <= deadline + SLACK_S
+        # When the driver judged the failure (the rank's record ended then; it shows at once).
+        outcome.named_after_s = record.ranks[error.rank].ended_at - failing_at
+        outcome.ok = (error.rank == rank and error.reason.startswith(reason)
+                      and outcome.named_after_s <= deadline + SLACK_S)
         if not outcome.ok:
-            outcome.detail = f"{named[1]} after {outcome.named_after_s:.2f} s (deadline {deadline:g} s)"
+            outcome.detail = (f"rank {error.rank}: {error.reason}, after "
+                              f"{outcome.named_after_s:.2f} s (deadline {deadline:g} s)")
         return outcome
 
     def estimator(self, spark) -> Outcome:
@@ -268,6 +265,8 @@ def soak(runs: int, hogs: int, short: bool) -> list[Outcome]:
     plan = schedule(runs)
     settings = Soak(peer_timeout_s=3.0, gil_seconds=8) if short else Soak(peer_timeout_s=10.0,
                                                                          gil_seconds=30)
+    saved = {name: os.environ.get(name) for name in settings.environment()}
+    os.environ.update(settings.environment())
     spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(hogs)]
     for spinner in spinners:
         spinner.start()
@@ -293,6 +292,11 @@ def soak(runs: int, hogs: int, short: bool) -> list[Outcome]:
             spinner.kill()
         if spark is not None:
             spark.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return outcomes
 
 
