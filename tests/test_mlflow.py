@@ -357,3 +357,36 @@ def test_a_server_that_refuses_does_not_fail_the_training(refusing_server):
     runner = HorovodRunner(np=-2, mlflow="refused")
     with pytest.warns(TrackingWarning, match="could not start a run .*no entry"):
         assert runner.run(return_seven) == 7
+
+
+# ---- TorchEstimator: history and model ---------------------------------------------------------
+
+@pytest.mark.parametrize("spark", ["classic"], indirect=True)
+def test_a_tracked_fit_logs_its_history_per_epoch_and_a_model_that_loads_back(spark,
+                                                                              local_store):
+    import torch
+    from pyspark.sql import functions
+
+    from ddl_magic.estimator import TorchEstimator
+
+    rows = spark.range(0, 60, 1, 2).select((functions.col("id") % 7).cast("float").alias("x"),
+                                           (functions.col("id") % 2).alias("label"))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1, 2)
+    estimator = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                               loss=torch.nn.CrossEntropyLoss(), feature_cols=["x"],
+                               label_cols=["label"], batch_size=10, epochs=3, num_proc=2,
+                               metrics=["accuracy"], verbose=0, mlflow="fit")
+    fitted = estimator.fit(rows)
+
+    run = the_run(local_store, "fit")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["ddl_magic.epochs"] == "3"
+    assert run.data.params["ddl_magic.model"] == "Linear"
+    for name in ("loss", "accuracy"):
+        logged = local_store.get_metric_history(run.info.run_id, name)
+        assert [(m.step, m.value) for m in sorted(logged, key=lambda m: m.step)] == [
+            (row["epoch"], pytest.approx(row[name])) for row in fitted.history]
+    loaded = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    inputs = torch.arange(7.0).reshape(-1, 1)
+    assert torch.equal(loaded(inputs), fitted.getModel()(inputs))
