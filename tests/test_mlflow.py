@@ -359,6 +359,47 @@ def test_a_server_that_refuses_does_not_fail_the_training(refusing_server):
         assert runner.run(return_seven) == 7
 
 
+# ---- the magic in a real kernel, cell after cell ------------------------------------------------
+
+LOG_CELL = ("%%horovod -np 2 --quiet{option}\n"
+            "import mlflow\nimport ddl_magic.torch as hvd\nhvd.init()\n"
+            "if hvd.rank() == 0:\n    mlflow.log_metric('cell', {cell})\n")
+
+
+def test_repeated_cells_in_a_notebook_each_get_a_run(store_dir):
+    from kernel import Kernel
+
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "MLFLOW_TRACKING_URI": "",
+                         AUTOMATIC_VARIABLE: "auto"}, cwd=str(store_dir))
+    try:
+        def run(code):
+            out = kernel.run(code, timeout=120)
+            assert out.error is None, out.error
+            return out
+
+        run("%load_ext ddl_magic\nimport mlflow, ddl_magic")
+        for cell in (1, 2):
+            run(LOG_CELL.format(option=" --mlflow notebook", cell=cell))
+        run(LOG_CELL.format(option="", cell=3))  # no active run, not asked: not tracked
+        run("parent = mlflow.start_run(experiment_id=mlflow.MlflowClient()"
+            ".create_experiment('notebook-parent'))")
+        run(LOG_CELL.format(option="", cell=4))
+        child = run("print(ddl_magic.last_run().mlflow.run_id)").stdout.strip()
+        run("mlflow.end_run()")
+    finally:
+        kernel.close()
+
+    client = MlflowClient(f"sqlite:///{store_dir}/mlflow.db")
+    asked = client.search_runs([client.get_experiment_by_name("notebook").experiment_id],
+                               order_by=["attributes.start_time ASC"])
+    assert [run.data.metrics for run in asked] == [{"cell": 1.0}, {"cell": 2.0}]
+    assert all(run.data.params["ddl_magic.np"] == "2" for run in asked)
+    assert client.search_runs(["0"], "metrics.cell = 3") == []
+    parent_experiment = client.get_experiment_by_name("notebook-parent").experiment_id
+    children = client.search_runs([parent_experiment], "tags.mlflow.parentRunId != ''")
+    assert [(run.info.run_id, run.data.metrics) for run in children] == [(child, {"cell": 4.0})]
+
+
 # ---- TorchEstimator: history and model ---------------------------------------------------------
 
 @pytest.mark.parametrize("spark", ["classic"], indirect=True)
