@@ -282,9 +282,12 @@ def _log_model(client, run_id: str, model) -> None:
     save = mlflow.pytorch.save_model
     formats = ({"serialization_format": "pickle"}
                if "serialization_format" in inspect.signature(save).parameters else {})
+    # The flavor's own requirements (torch, cloudpickle): MLflow's inference of what the
+    # model needs takes seconds per fit.
+    requirements = mlflow.pytorch.get_default_pip_requirements()
     with tempfile.TemporaryDirectory(prefix="ddl_magic-model-") as folder:
         path = os.path.join(folder, "model")
-        save(model, path, **formats)
+        save(model, path, pip_requirements=requirements, **formats)
         client.log_artifacts(run_id, path, "model")
 
 
