@@ -300,7 +300,7 @@ class _Logging:
     def __init__(self, tracked: TrackedRun, ddl_run_id: str):
         self._tracked = tracked
         self._ddl_run_id = ddl_run_id
-        self._failed: list[str] = []
+        self._failed: dict[str, list[str]] = {}  # why -> what it kept from being logged
         self._client = None
 
     def attempt(self, what: str, step: Callable[[Any], Any]) -> _Logging:
@@ -312,14 +312,15 @@ class _Logging:
                     self._client = mlflow.MlflowClient(self._tracked.tracking_uri)
                 step(self._client)
         except Exception as exc:  # a server down, a refusal, a full disk: say so, go on
-            self._failed.append(f"{what} ({_describe(exc)})")
+            self._failed.setdefault(_describe(exc), []).append(what)
         return self
 
     def warn_if_failed(self) -> None:
         if self._failed:
-            _warn(f"MLflow at {self._tracked.tracking_uri} did not take "
-                  f"{'; '.join(self._failed)}: MLflow run {self._tracked.run_id} (ddl_magic run "
-                  f"{self._ddl_run_id}) lacks them; the training itself was not affected")
+            lost = "; ".join(f"{', '.join(what)} ({why})" for why, what in self._failed.items())
+            _warn(f"MLflow at {self._tracked.tracking_uri} did not take {lost}: MLflow run "
+                  f"{self._tracked.run_id} (ddl_magic run {self._ddl_run_id}) lacks them; the "
+                  "training itself was not affected")
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ through `MlflowClient`, as a user would read it.
 
 import _thread
 import http.server
+import json
 import os
 import signal
 import socket
@@ -158,29 +159,44 @@ def server_store(mlflow_server, monkeypatch):
 
 
 class RefusingServer(http.server.BaseHTTPRequestHandler):
-    """A tracking server that answers every request with 403 Forbidden."""
+    """A tracking server that answers 403 Forbidden to every request; or, where
+    `creates_runs`, to every request but the one that creates a run."""
 
-    def _refuse(self):
-        self.send_response(403)
+    creates_runs = False
+    STUB_RUN = json.dumps({"run": {"info": {
+        "run_id": "stubrun", "run_uuid": "stubrun", "experiment_id": "0", "user_id": "test",
+        "status": "RUNNING", "start_time": 1, "lifecycle_stage": "active",
+        "artifact_uri": "mlflow-artifacts:/0/stubrun/artifacts"}, "data": {}}}).encode()
+
+    def _answer(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        created = self.creates_runs and self.path.endswith("/mlflow/runs/create")
+        body = self.STUB_RUN if created else (
+            b'{"error_code": "PERMISSION_DENIED", "message": "no entry"}')
+        self.send_response(200 if created else 403)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(b'{"error_code": "PERMISSION_DENIED", "message": "no entry"}')
+        self.wfile.write(body)
 
-    do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _refuse
+    do_GET = do_POST = do_PATCH = do_PUT = do_DELETE = _answer
 
     def log_message(self, *args):
         pass
 
 
-@pytest.fixture
-def refusing_server(monkeypatch):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RefusingServer)
+@pytest.fixture(params=[False, True], ids=["refuses everything", "refuses all but runs"])
+def refusing_server(request, monkeypatch):
+    handler = type("Handler", (RefusingServer,), {"creates_runs": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     uri = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv(AUTOMATIC_VARIABLE, raising=False)
     mlflow.set_tracking_uri(None)
-    yield uri
+    server.creates_runs = request.param
+    yield server
     server.shutdown()
     server.server_close()
     thread.join(timeout=10)
@@ -354,9 +370,21 @@ def test_a_server_that_is_down_does_not_fail_the_training(monkeypatch):
 
 
 def test_a_server_that_refuses_does_not_fail_the_training(refusing_server):
-    runner = HorovodRunner(np=-2, mlflow="refused")
-    with pytest.warns(TrackingWarning, match="could not start a run .*no entry"):
+    runner = HorovodRunner(np=-2, mlflow=True)
+    with pytest.warns(TrackingWarning) as warned:
         assert runner.run(return_seven) == 7
+    said = [str(warning.message) for warning in warned if warning.category is TrackingWarning]
+    if not refusing_server.creates_runs:
+        assert len(said) == 1 and "could not start a run" in said[0] and "no entry" in said[0]
+        assert runner.last_run.mlflow is None
+        return
+    # The run was created, and the ranks told of it; nothing else was taken, and each
+    # warning says what is missing.
+    assert runner.last_run.mlflow.run_id == "stubrun"
+    assert len(said) == 2
+    assert "did not take its parameters (RestException: PERMISSION_DENIED" in said[0]
+    for lost in ("its hosts", "the ranks' logs", "its status FINISHED"):
+        assert lost in said[1]
 
 
 # ---- the magic in a real kernel, cell after cell ------------------------------------------------
