@@ -51,6 +51,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from .estimator_training import CHECKPOINT_LAST, TrainingPlan, train_on_shard
+from .tracking import log_fitted_model
 
 __all__ = ["TorchEstimator", "TorchModel"]
 
@@ -108,6 +109,9 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
     does: a fit never changes them, it trains a copy of the model on every rank. `save(path)`
     / `TorchEstimator.load(path)`, and a `Pipeline` holding it, keep every parameter, those
     objects cloudpickled.
+    - `mlflow`: True or an experiment name tracks the fit in MLflow (as `%%horovod --mlflow`
+      does) and logs the history per epoch and the trained model (`mlflow.pytorch`); by
+      default a fit is tracked while the notebook has an active MLflow run.
     """
 
     model = _param("model", "the torch.nn.Module to train")
@@ -134,13 +138,14 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
                      TypeConverters.toInt)
     timeline = _param("timeline", "record every rank's timeline to this path ('': with the "
                       "run's logs)", TypeConverters.toString)
+    mlflow = _param("mlflow", "track the fit in MLflow: True, an experiment name, or False")
 
     @keyword_only
     def __init__(self, *, model=None, optimizer=None, loss=None, feature_cols=None,
                  label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                  shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
                  use_gpu=False, random_seed=0, verbose=1, timeline=None,
-                 prediction_col="prediction"):
+                 prediction_col="prediction", mlflow=None):
         super().__init__()
         self._setDefault(batch_size=32, epochs=1, shuffle=True, use_gpu=False, random_seed=0,
                          verbose=1, prediction_col="prediction", metrics=[], callbacks=[],
@@ -152,7 +157,7 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
                   label_cols=None, batch_size=32, epochs=1, num_proc=None, validation=None,
                   shuffle=True, metrics=None, callbacks=None, run_id=None, checkpoint_dir=None,
                   use_gpu=False, random_seed=0, verbose=1, timeline=None,
-                  prediction_col="prediction"):
+                  prediction_col="prediction", mlflow=None):
         return self._set(**{name: value for name, value in self._input_kwargs.items()
                             if value is not None})
 
@@ -167,11 +172,13 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
         title = (f"TorchEstimator(num_proc={num_proc}, epochs={plan.epochs}): "
                  f"{type(plan.model).__name__}")
         options = JobOptions(use_gpu=plan.use_gpu, timeline_path=self._optional(self.timeline),
-                             title=title)
+                             title=title, mlflow=self._optional(self.mlflow))
         self.last_run = Job(FunctionTask(train_on_shard, {"plan": plan}), num_proc, launcher,
                             options).run()
         trained = self._fresh_model()
         trained.load_state_dict(self.last_run.result["state"])
+        log_fitted_model(self.last_run, _tracked_params(plan), self.last_run.result["history"],
+                         trained)
         fitted = TorchModel(model=trained, feature_cols=plan.feature_cols,
                             prediction_col=self.getPredictionCol(),
                             classification=plan.classification,
@@ -590,3 +597,12 @@ def _last_checkpoint(directory: str) -> dict | None:
     if not os.path.exists(path):
         return None
     return torch.load(path, weights_only=True)  # tensors, numbers and names only
+
+
+def _tracked_params(plan: TrainingPlan) -> dict:
+    """What an MLflow run of the fit records about it (`ddl_magic.<name>` parameters)."""
+    return {"model": type(plan.model).__name__, "loss": type(plan.loss).__name__,
+            "feature_cols": ",".join(plan.feature_cols), "label_cols": ",".join(plan.label_cols),
+            "batch_size": plan.batch_size, "epochs": plan.epochs, "shuffle": plan.shuffle,
+            "random_seed": plan.seed,
+            "validation": plan.validation_col or plan.validation_fraction or None}

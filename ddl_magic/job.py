@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -32,6 +33,7 @@ from .run_folders import prune_run_folders
 from .run_report import run_report_html, run_report_text
 from .protocol import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from .runtime.settings import TRANSPORT_VARIABLE, transport_choice
+from .tracking import TrackedRun, finish_tracking, start_tracking, wants_tracking
 from .ui import make_display
 
 REFRESH_INTERVAL_S = 0.1
@@ -77,6 +79,7 @@ class RunResult:
     started_at: float = field(default_factory=time.time)
     ended_at: float | None = None
     error: str | None = None
+    mlflow: TrackedRun | None = None  # the MLflow run it logged to, if tracked (tracking.py)
 
     @property
     def duration_s(self) -> float:
@@ -111,6 +114,9 @@ class JobOptions:
     hide_output: bool = False  # show only failures and the closing line, not what ranks print
     use_gpu: bool = False  # each rank pins the GPU of its local_rank
     title: str = ""
+    # True or an experiment name: track the run in MLflow; False: never; None: when the
+    # notebook has an active MLflow run (tracking.py)
+    mlflow: bool | str | None = None
 
 
 class Job:
@@ -131,6 +137,7 @@ class Job:
         transport = transport_choice(options.env.get(TRANSPORT_VARIABLE,
                                                      os.environ.get(TRANSPORT_VARIABLE)))
         peer_timeout_s()  # a bad DDL_MAGIC_PEER_TIMEOUT is refused before anything starts
+        tracking_wanted = wants_tracking(options.mlflow)  # and a missing mlflow, when asked for
         if options.use_gpu:
             self.launcher.check_gpus(self.np)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
@@ -152,6 +159,9 @@ class Job:
         env = {**options.env, TRANSPORT_VARIABLE: transport}
         if PEER_TIMEOUT_VARIABLE in os.environ:
             env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
+        record.mlflow = start_tracking(options.mlflow, record, options) if tracking_wanted else None
+        if record.mlflow is not None:  # every rank logs into the run (the user's env wins)
+            env = {**record.mlflow.rank_environment(), **env}
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
         settings = {"env": env, "run_id": run_id, "timeline": timeline_path is not None,
@@ -181,6 +191,7 @@ class Job:
             server.close()
             watcher.drain(events)
             watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+            finish_tracking(record, sys.exc_info()[1])
         return record
 
 

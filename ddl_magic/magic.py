@@ -57,6 +57,10 @@ class HorovodMagics(Magics):
               help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
     @argument("--quiet", action="store_true",
               help="don't print the report of captured names and payload size")
+    @argument("--mlflow", nargs="?", const=True, metavar="EXPERIMENT",
+              help="track the run in MLflow (in EXPERIMENT, if named): every rank logs into "
+                   "it. Runs are tracked anyway while the notebook has an active MLflow run, "
+                   "unless DDL_MAGIC_MLFLOW=off")
     @cell_magic
     def horovod(self, line: str, cell: str):
         """Run this cell on N ranks with ddl_magic's ring-allreduce runtime.
@@ -102,7 +106,7 @@ class HorovodMagics(Magics):
         launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         options = JobOptions(timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
-                             title=f"%%horovod {line.strip()}")
+                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow)
         try:
             run = Job(captured.payload, args.np, launcher, options).run()
         except KeyboardInterrupt:

@@ -22,6 +22,7 @@ from .capture import capture_function
 from .job import Job, JobOptions, RunResult
 from .launch import spark_session
 from .launch.local import LocalLauncher
+from .tracking import check_setting
 
 
 def make_launcher(spark: bool | None):
@@ -41,22 +42,24 @@ class HorovodRunner:
     `driver_log_verbosity="all"` shows every rank's output in the notebook (the default);
     `"log_callback_only"` shows only failures and the summary. `timeline=PATH` records every
     rank's timeline to PATH. `use_gpu=True` pins each rank to the GPU of its local_rank
-    (checked before anything starts).
+    (checked before anything starts). `mlflow=True` (or an experiment name) tracks each run
+    in MLflow, `False` never; by default runs are tracked while an MLflow run is active.
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
                  timeout: float | None = None, env: dict[str, str] | None = None,
-                 use_gpu: bool = False):
+                 use_gpu: bool = False, mlflow: bool | str | None = None):
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
             raise ValueError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
                 "processes on this machine, np=4 runs 4 Spark barrier tasks")
         if driver_log_verbosity not in ("all", "log_callback_only"):
             raise ValueError("driver_log_verbosity must be 'all' or 'log_callback_only'")
+        check_setting(mlflow)
         self.num_processor = np
         self._options = JobOptions(timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                                    hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
-                                   title=f"HorovodRunner(np={np})")
+                                   title=f"HorovodRunner(np={np})", mlflow=mlflow)
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:

@@ -80,7 +80,9 @@ import ddl_magic
 run = ddl_magic.last_run()
 {"spark": spark_accuracy, "torch": torch_accuracy, "shards": shard_sizes,
  "checkpoint": os.path.exists(CHECKPOINT), "run": [run.status, run.np, run.where],
- "pipelines": pipeline_accuracy, "epochs": len(history)}
+ "pipelines": pipeline_accuracy, "epochs": len(history),
+ "mlflow": [logged.info.status, len(accuracy_per_epoch), logged.data.params["ddl_magic.np"],
+            logged.data.tags.get("mlflow.parentRunId") == lab_run.info.run_id]}
 """)
     assert report["spark"] >= 0.9
     assert report["torch"] >= 0.9
@@ -92,6 +94,8 @@ run = ddl_magic.last_run()
     assert report["shards"] == [53, 52]  # rank 0's copy of every rank's shard size
     assert report["checkpoint"]
     assert report["run"][:2] == ["done", 2]
+    # Part 5: the fit, tracked as a child of the lab's MLflow run, read back.
+    assert report["mlflow"] == ["FINISHED", 150, "2", True]
     text = printed_text(notebook)
     assert f"Spark MLP accuracy: {report['spark']:.3f}" in text
     assert f"torch MLP (2 ranks) accuracy: {report['torch']:.3f}" in text
