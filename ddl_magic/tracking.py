@@ -39,6 +39,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from logging import ERROR, getLogger
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
@@ -282,13 +283,28 @@ def _log_model(client, run_id: str, model) -> None:
     save = mlflow.pytorch.save_model
     formats = ({"serialization_format": "pickle"}
                if "serialization_format" in inspect.signature(save).parameters else {})
-    # The flavor's own requirements (torch, cloudpickle): MLflow's inference of what the
-    # model needs takes seconds per fit.
-    requirements = mlflow.pytorch.get_default_pip_requirements()
     with tempfile.TemporaryDirectory(prefix="ddl_magic-model-") as folder:
         path = os.path.join(folder, "model")
-        save(model, path, pip_requirements=requirements, **formats)
+        with _mlflow_warnings_of_our_choices():
+            # The flavor's own requirements (torch, cloudpickle): MLflow's inference of what
+            # the model needs takes seconds per fit.
+            requirements = mlflow.pytorch.get_default_pip_requirements()
+            save(model, path, pip_requirements=requirements, **formats)
         client.log_artifacts(run_id, path, "model")
+
+
+@contextlib.contextmanager
+def _mlflow_warnings_of_our_choices() -> Iterator[None]:
+    """MLflow warns of what ddl_magic chose on the user's behalf: the pickle format (so the
+    module loads back as its own class) and torch's "+cpu" label dropped from the pinned
+    requirement. Nothing the user can act on, so not shown; errors still are."""
+    logger = getLogger("mlflow")
+    level = logger.level
+    logger.setLevel(ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---- how -------------------------------------------------------------------------------
