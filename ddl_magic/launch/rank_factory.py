@@ -157,12 +157,10 @@ def _report_states(states: dict[int, ProcessState]) -> None:
     report (whether it runs or sleeps is all one: alive)."""
     for pid, reported in states.items():
         state = process_state(pid)
-        if state.alive != reported.alive and state in (ProcessState.STOPPED, *_ALIVE):
-            states[pid] = state  # (an ended rank is reported once reaped)
+        # (an ended rank, a zombie or gone, is reported once reaped)
+        if state.alive != reported.alive and (state.alive or state is ProcessState.STOPPED):
+            states[pid] = state
             write_frame(1, RankState(pid, state.value))
-
-
-_ALIVE = tuple(state for state in ProcessState if state.alive)
 
 
 def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState]) -> None:
