@@ -74,22 +74,24 @@ def run_ours(fn: Callable[..., Any], np: int, **kwargs) -> list[Any]:
 
 
 def run_ours_with(fn: Callable[..., Any], np: int, kwargs: dict[str, Any],
-                  env: dict[str, str] | None = None, timeline_path: str | None = None) -> list[Any]:
+                  env: dict[str, str] | None = None, timeline_path: str | None = None,
+                  display: Callable[..., Any] | None = None) -> list[Any]:
     """`run_ours`, with environment variables set on every rank before `fn` runs, and a timeline.
 
     `env` reaches the ranks before ``hvd.init()`` (``JobOptions.env``), so it can choose the
     transport, e.g. ``{"DDL_MAGIC_TRANSPORT": "tcp"}``; `timeline_path` records every rank's
-    timeline into one Chrome trace there.
+    timeline into one Chrome trace there; `display` makes the run's display (`JobOptions.display`).
 
     >>> run_ours_with(fn, 2, {"sizes": [4096]}, env={"DDL_MAGIC_TRANSPORT": "tcp"})  # doctest: +SKIP
     """
-    from ddl_magic.job import Job, JobOptions
+    from ddl_magic.driver.job import Job, JobOptions
     from ddl_magic.launch.local import LocalLauncher
-    from ddl_magic.tasks import FunctionTask
+    from ddl_magic.wire.tasks import FunctionTask
 
     job = Job(FunctionTask(fn, kwargs), np, LocalLauncher(),
               JobOptions(timeout_s=RANK_TIMEOUT_S, hide_output=True, return_all=True,
-                         env=dict(env or {}), timeline_path=timeline_path))
+                         env=dict(env or {}), timeline_path=timeline_path,
+                         **({"display": display} if display else {})))
     closing_lines = io.StringIO()  # "==== done: ..." after every run would break up the tables
     try:
         with contextlib.redirect_stdout(closing_lines):

@@ -83,7 +83,7 @@ def synthetic_rows(spark, rows: int):
 
 
 def fit_with_estimator(df) -> float:
-    from ddl_magic.estimator import TorchEstimator
+    from ddl_magic.spark.estimator import TorchEstimator
 
     model = make_model()
     estimator = TorchEstimator(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
@@ -138,8 +138,8 @@ def iris_pipelines(spark) -> dict[str, float]:
     from pyspark.ml.evaluation import MulticlassClassificationEvaluator
     from pyspark.ml.feature import VectorAssembler
 
-    from ddl_magic.datasets import IRIS_FEATURES, load_iris
-    from ddl_magic.estimator import TorchEstimator
+    from ddl_magic.labs.datasets import IRIS_FEATURES, load_iris
+    from ddl_magic.spark.estimator import TorchEstimator
 
     iris = spark.createDataFrame(load_iris().drop(columns=["species"]))
     train, test = iris.randomSplit([0.7, 0.3], seed=1)

@@ -169,7 +169,7 @@ class AlternatingLiveView:
         return BLOCK_ORDER[int((moment - self.started) / self.phase_s) % len(BLOCK_ORDER)]
 
     def handle(self, event) -> None:
-        from ddl_magic.events import TimelineBatch
+        from ddl_magic.driver.events import TimelineBatch
 
         if isinstance(event, TimelineBatch) and self.side(time.monotonic()) == "off":
             return
@@ -191,7 +191,6 @@ class AlternatingLiveView:
 
 def measure_live_view(runs: int, steps: int, warmup: int, folder: Path) -> dict:
     """The step with the live view off and on, in alternating phases of each run."""
-    from unittest import mock
 
     from common import run_ours_with
 
@@ -203,9 +202,9 @@ def measure_live_view(runs: int, steps: int, warmup: int, folder: Path) -> dict:
             displays.append(AlternatingLiveView(np, LIVE_VIEW_PHASE_S))
             return displays[-1]
 
-        with mock.patch("ddl_magic.job.make_display", make_display):
-            ranks = run_ours_with(steady_training, NP, {"steps": steps, "warmup": warmup},
-                                  timeline_path=str(folder / f"live_{run}.timeline.json"))
+        ranks = run_ours_with(steady_training, NP, {"steps": steps, "warmup": warmup},
+                              timeline_path=str(folder / f"live_{run}.timeline.json"),
+                              display=make_display)
         live = displays[0]
         on_s = (time.monotonic() - live.started) / 2  # half of the phases are "on"
         driver_shares.append(live.busy_s / on_s)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddl_magic.trace_columns import ColumnarTraceWriter, TraceFiles, columnar_path
+from ddl_magic.timeline.columns import ColumnarTraceWriter, TraceFiles, columnar_path
 from ddl_magic.ui.timeline_viewer import build_figure, load_trace, summarize
 
 SIZES = (10_000, 100_000, 1_000_000, 10_000_000)

@@ -19,9 +19,10 @@ __all__ = ["HorovodRunner", "RankFailedError", "RunResult", "TorchDistributor", 
 
 # Imported when first used, not with the package: a rank or a Spark task imports
 # `ddl_magic.<module>` and must not pay for the driver's run machinery and notebook UI.
-_DRIVER_API = {"HorovodRunner": ".runner", "RankFailedError": ".job", "RunResult": ".job",
-               "last_run": ".job", "TorchDistributor": ".torch_distributor",
-               "distributed": ".decorator"}
+_DRIVER_API = {"HorovodRunner": ".frontends.runner", "RankFailedError": ".driver.job",
+               "RunResult": ".driver.job", "last_run": ".driver.job",
+               "TorchDistributor": ".frontends.torch_distributor",
+               "distributed": ".frontends.decorator"}
 
 
 def __getattr__(name: str):
@@ -41,7 +42,7 @@ __version__ = "0.1.0"
 def load_ipython_extension(ipython) -> None:
     """`%load_ext ddl_magic`: registers the `%%horovod` cell magic."""
     from .launch.local import prewarm
-    from .magic import HorovodMagics, show_run_error
+    from .frontends.magic import HorovodMagics, show_run_error
 
     ipython.register_magics(HorovodMagics)
     ipython.set_custom_exc(show_run_error.handles, show_run_error)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo
+from .frontends import demo
 
 DESCRIPTION = """\
 ddl_magic runs a notebook cell on N ranks (%%horovod -np N) with its own ring-allreduce

@@ -49,7 +49,7 @@ def spark(request):
 # ---- no test leaves processes behind ---------------------------------------------------------
 
 LEFTOVER_GRACE_S = float(os.environ.get("DDL_MAGIC_TEST_LEFTOVER_GRACE_S", "10"))  # a run's ranks may still be on their way out when its test returns
-_FACTORY_COMMAND = "from ddl_magic.launch.rank_factory import serve"
+_FACTORY_COMMAND = "from ddl_magic.rank.factory import serve"
 # Started once and reused by what starts them: Spark's JVM and Python workers, and Python's
 # own per-process helpers (multiprocessing's resource tracker and forkserver).
 _MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark",

@@ -156,9 +156,9 @@ class Soak:
     def run(self, name: str, code: str, env: dict[str, str] | None = None):
         """Run `code` as a script on 2 local ranks, from this process, as a notebook runs a
         cell: (the run's record, its error or None, seconds)."""
-        from ddl_magic.job import Job, JobOptions, RankFailedError
+        from ddl_magic.driver.job import Job, JobOptions, RankFailedError
         from ddl_magic.launch.local import LocalLauncher
-        from ddl_magic.tasks import ScriptTask
+        from ddl_magic.wire.tasks import ScriptTask
 
         script = self.folder / (name.replace(" ", "_").replace(".", "") + ".py")
         script.write_text(PRELUDE + code)
@@ -207,8 +207,8 @@ class Soak:
         from pyspark.ml import Pipeline
         from pyspark.ml.feature import VectorAssembler
 
-        from ddl_magic.datasets import IRIS_FEATURES, load_iris
-        from ddl_magic.estimator import TorchEstimator
+        from ddl_magic.labs.datasets import IRIS_FEATURES, load_iris
+        from ddl_magic.spark.estimator import TorchEstimator
 
         started = time.monotonic()
         try:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from ddl_magic.job import Job, JobOptions
+from ddl_magic.driver.job import Job, JobOptions
 from ddl_magic.launch.local import LocalLauncher
-from ddl_magic.tasks import FunctionTask
+from ddl_magic.wire.tasks import FunctionTask
 
 
 def run_on_ranks(function, np: int, timeout_s: float = 90, env: dict | None = None, **kwargs) -> list:

@@ -1,6 +1,7 @@
 """The architecture as a checked contract, run with the tests: the import rules written in
-pyproject.toml (import-linter: the rank side never imports the driver or the notebook's UI,
-no import loops) and a small set of lint rules (ruff)."""
+pyproject.toml (import-linter: the sides of the system as layers that import only downwards,
+no display library on a rank, no import loops), a small set of lint rules (ruff), and the
+public import paths that notebooks use, kept while the code lives in its side's folder."""
 
 import subprocess
 import sys
@@ -21,5 +22,20 @@ def test_imports_flow_one_way_and_never_loop():
 
 
 def test_the_lint_rules_find_nothing():
-    checked = run_tool("ruff", "check", "ddl_magic", "kernels", "tests", "benchmarks")
+    checked = run_tool("ruff", "check", "ddl_magic", "tests", "benchmarks")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_public_import_paths_are_the_modules_of_each_side():
+    import ddl_magic
+    from ddl_magic import datasets, estimator, kernels, spark_inference
+    from ddl_magic.frontends.runner import HorovodRunner
+    from ddl_magic.labs.datasets import load_iris
+    from ddl_magic.spark.estimator import TorchEstimator
+    from ddl_magic.spark.inference import predict_batches
+
+    assert estimator.TorchEstimator is TorchEstimator
+    assert datasets.load_iris is load_iris
+    assert spark_inference.predict_batches is predict_batches
+    assert ddl_magic.HorovodRunner is HorovodRunner
+    assert kernels.__file__.startswith(str(ROOT / "ddl_magic" / "kernels"))

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from ddl_magic.events import FailureKind, ProcessExited, RankFailed, RankStarted
-from ddl_magic.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankStarted
+from ddl_magic.driver.job import RankFailedError, RunResult, _RunWatcher
 from ddl_magic.launch.spark import SparkLauncher
-from ddl_magic.protocol import ABORTED_EXIT_CODE
-from ddl_magic.rank_record import RankStatus, new_records
+from ddl_magic.wire.channel import ABORTED_EXIT_CODE
+from ddl_magic.driver.records import RankStatus, new_records
 
 HOSTS = ["host-a", "host-b", "host-a", "host-b"]  # as Spark places 4 ranks on 2 hosts
 
@@ -125,7 +125,7 @@ def test_a_rank_that_stops_is_named_within_the_peer_timeout(monkeypatch):
     then killed."""
     from ranks import run_on_ranks
 
-    from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE
+    from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE
 
     monkeypatch.setenv(PEER_TIMEOUT_VARIABLE, "3")
     started = time.monotonic()
@@ -139,7 +139,7 @@ def test_a_rank_that_stops_is_named_within_the_peer_timeout(monkeypatch):
 
 def test_attribution_is_a_pure_function_of_failures_ranks_and_the_stop():
     """No processes, no run loop: the same rules, called directly."""
-    from ddl_magic.attribution import RankFacts, attribute
+    from ddl_magic.driver.attribution import RankFacts, attribute
 
     ranks = [RankFacts(host, None, done=False) for host in HOSTS]
     verdict = attribute([failed(0, FailureKind.LOST_PEER, 0, lost_rank=3),

@@ -14,9 +14,9 @@ import signal
 import pytest
 import torch
 
-from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.local import LocalLauncher
-from ddl_magic.tasks import FunctionTask
+from ddl_magic.wire.tasks import FunctionTask
 
 from ranks import run_on_ranks
 
@@ -29,7 +29,7 @@ SIZES = [1, 7, 1001, 300_001, 3_000_001]  # one phase, two phases, several round
 def reduce_on_gpus():
     import ddl_magic.torch as hvd
     from ddl_magic.runtime import context
-    from ddl_magic.runtime.peer_memory import CudaIpcMemory
+    from ddl_magic.runtime.planes.peer_memory import CudaIpcMemory
 
     hvd.init()
     device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from ddl_magic.datasets import IRIS_CLASSES, IRIS_FEATURES, load_iris, load_mnist, read_idx, stratified_split
+from ddl_magic.labs.datasets import IRIS_CLASSES, IRIS_FEATURES, load_iris, load_mnist, read_idx, stratified_split
 
 
 def test_iris_is_the_classic_150_flowers_as_arrays_and_as_a_frame():

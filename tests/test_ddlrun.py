@@ -99,7 +99,7 @@ def scripts(tmp_path_factory):
 
 
 def ddlrun(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -107,7 +107,7 @@ class LiveDdlrun:
     """A ddlrun whose output is read line by line as it comes, to act on it mid-run."""
 
     def __init__(self, *args, cwd, sigint=signal.SIG_DFL):
-        self.process = subprocess.Popen([sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
+        self.process = subprocess.Popen([sys.executable, "-m", "ddl_magic.frontends.ddlrun", *args], cwd=cwd,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
         self.lines: queue.Queue = queue.Queue()

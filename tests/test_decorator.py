@@ -11,7 +11,7 @@ import pytest
 
 import ddl_magic
 from ddl_magic import RankFailedError, distributed
-from ddl_magic.capture import CaptureError
+from ddl_magic.driver.capture import CaptureError
 from spark_sessions import sent_by_value
 
 

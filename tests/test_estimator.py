@@ -21,9 +21,9 @@ from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 from pyspark.sql import functions
 
-from ddl_magic.datasets import IRIS_FEATURES, load_iris
-from ddl_magic.estimator import TorchEstimator, TorchModel
-from ddl_magic.job import RankFailedError
+from ddl_magic.labs.datasets import IRIS_FEATURES, load_iris
+from ddl_magic.spark.estimator import TorchEstimator, TorchModel
+from ddl_magic.driver.job import RankFailedError
 from spark_sessions import connect_only, no_spark_job_active, sent_by_value
 from trace_files import chrome_events, columnar_events
 
@@ -173,8 +173,8 @@ def test_a_model_saves_to_a_folder_the_driver_reads_and_loads_as_its_own_class(t
     model.save(f"file://{tmp_path}/model")  # as Spark names a pipeline's stage folders
     loaded = TorchModel.load(str(tmp_path / "model"))
     assert loaded.getFeatureCols() == ["x"] and loaded.history == [{"loss": 1.0}]
-    with pytest.raises(ValueError, match="holds a ddl_magic.estimator.TorchModel, not a "
-                                         "ddl_magic.estimator.TorchEstimator"):
+    with pytest.raises(ValueError, match="holds a ddl_magic.spark.estimator.TorchModel, not a "
+                                         "ddl_magic.spark.estimator.TorchEstimator"):
         TorchEstimator.load(str(tmp_path / "model"))
     with pytest.raises(FileNotFoundError, match="holds no saved TorchModel"):
         TorchModel.load(str(tmp_path))

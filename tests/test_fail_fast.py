@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from ddl_magic import TorchDistributor
-from ddl_magic.job import RankFailedError
+from ddl_magic.driver.job import RankFailedError
 from kernel import Kernel
 from ranks import run_on_ranks
 
@@ -39,7 +39,7 @@ def test_ddp_over_gloo_ends_cleanly_as_a_ddlrun_script(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_OVER_GLOO)
     for run in range(RUNS):
-        finished = subprocess.run([sys.executable, "-m", "ddl_magic.run", "-np", "2", "python",
+        finished = subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", "-np", "2", "python",
                                    str(script)], capture_output=True, text=True, timeout=120,
                                   cwd=tmp_path)
         assert finished.returncode == 0, f"run {run}: {finished.stdout}{finished.stderr}"
@@ -91,7 +91,7 @@ def hold_the_gil_on_rank_1(seconds: int) -> float:
 
 
 def test_a_rank_holding_its_gil_in_native_code_for_30_s_is_alive(monkeypatch):
-    from ddl_magic.protocol import DEFAULT_PEER_TIMEOUT_S, PEER_TIMEOUT_VARIABLE
+    from ddl_magic.wire.channel import DEFAULT_PEER_TIMEOUT_S, PEER_TIMEOUT_VARIABLE
 
     monkeypatch.delenv(PEER_TIMEOUT_VARIABLE, raising=False)
     seconds = 30
@@ -163,7 +163,7 @@ def test_the_stall_report_comes_before_the_timeout(tmp_path):
         else:
             threading.Event().wait(120)
     """))
-    finished = subprocess.run([sys.executable, "-m", "ddl_magic.run", "-np", "2", "--env",
+    finished = subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", "-np", "2", "--env",
                                "DDL_MAGIC_TIMEOUT=3", "python", str(script)],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path,
                               env={**os.environ, "HOROVOD_STALL_CHECK_TIME_SECONDS": "60"})
@@ -187,9 +187,9 @@ def hang_after_finishing() -> int:
 
 
 def test_a_rank_that_hangs_after_reporting_is_killed_and_the_run_stands():
-    from ddl_magic.job import Job, JobOptions
+    from ddl_magic.driver.job import Job, JobOptions
     from ddl_magic.launch.local import LocalLauncher
-    from ddl_magic.tasks import FunctionTask
+    from ddl_magic.wire.tasks import FunctionTask
 
     options = JobOptions(timeout_s=60, return_all=True, hide_output=True)
     run = Job(FunctionTask(hang_after_finishing), 2, LocalLauncher(), options).run()

@@ -37,7 +37,7 @@ def message_classes():
     """Every message class of the protocol, with how many fields each takes."""
     import dataclasses
 
-    from ddl_magic import messages
+    from ddl_magic.wire import messages
 
     return [(cls, len(dataclasses.fields(cls))) for cls in vars(messages).values()
             if isinstance(cls, type) and dataclasses.is_dataclass(cls)
@@ -59,7 +59,7 @@ after_handshake = st.one_of(raw_frames, st.builds(lambda m: frame(pickle.dumps(m
 def throw(address, data: bytes, secret: bytes | None = None, purpose: str = "") -> None:
     """Send `data` (after proving `secret`, if given), stop sending, and require the server to
     close the connection within the handshake timeout: nothing hangs on a bad peer."""
-    from ddl_magic.protocol import Channel
+    from ddl_magic.wire.channel import Channel
 
     if secret is None:
         sock = socket.create_connection(address, timeout=15)
@@ -95,7 +95,7 @@ def fuzz_the_control_port_then_allreduce():
     import torch
 
     import ddl_magic.torch as hvd
-    from ddl_magic import worker
+    from ddl_magic.rank import worker
     from ddl_magic.runtime import context
 
     hvd.init()
@@ -120,8 +120,8 @@ def test_the_control_port_refuses_every_bad_frame_and_the_run_goes_on(thread_exc
 
 
 def test_a_ring_listener_refuses_every_bad_frame_and_still_accepts_its_peer(thread_exceptions):
-    from ddl_magic.protocol import Channel, new_secret
-    from ddl_magic.runtime.transport import _accept_expected
+    from ddl_magic.wire.channel import Channel, new_secret
+    from ddl_magic.runtime.planes.tcp import _accept_expected
 
     secret, accepted = new_secret(), {}
     with socket.socket() as listener:

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from ddl_magic import HorovodRunner
-from ddl_magic.capture import CaptureError
+from ddl_magic.driver.capture import CaptureError
 
 
 def allreduce_ranks(offset):

@@ -6,10 +6,10 @@ import socket
 
 import pytest
 
-from ddl_magic.events import HostUnanswered, RanksPlaced, RankStarted
-from ddl_magic.host_probe import HostProbes, answers
-from ddl_magic.job import RankFailedError, RunResult, _RunWatcher
-from ddl_magic.rank_record import RankStatus, new_records
+from ddl_magic.driver.events import HostUnanswered, RanksPlaced, RankStarted
+from ddl_magic.driver.host_probe import HostProbes, answers
+from ddl_magic.driver.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.driver.records import RankStatus, new_records
 from test_attribution import ShownFailures
 
 PROBE_TIMEOUT_S = 0.5

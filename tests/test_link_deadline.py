@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE, peer_timeout_s, tune_socket
+from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE, peer_timeout_s, tune_socket
 
 PEER_TIMEOUT_S = 3
 SLACK_S = 2  # this test's own thread may be slow to wake on a busy machine

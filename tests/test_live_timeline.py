@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddl_magic.trace_columns import TraceFiles
+from ddl_magic.timeline.columns import TraceFiles
 from ddl_magic.ui import live_timeline
 from ddl_magic.ui.live_timeline import LiveTimeline
 from ddl_magic.ui.timeline_viewer import load_trace

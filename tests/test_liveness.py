@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddl_magic.liveness import LivenessWatch, ProcessState, Verdict, process_state
+from ddl_magic.wire.liveness import LivenessWatch, ProcessState, Verdict, process_state
 
 TIMEOUT_S = 10.0
 LIMIT_S = TIMEOUT_S - TIMEOUT_S / 8  # a stop began up to one report interval before it was seen

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddl_magic.magic import HorovodMagics, HorovodUsageError
+from ddl_magic.frontends.magic import HorovodMagics, HorovodUsageError
 
 
 def run_line(line: str) -> None:

@@ -1,4 +1,4 @@
-"""MLflow tracking (ddl_magic/tracking.py), against real MLflow: its embedded local store
+"""MLflow tracking (ddl_magic/driver/tracking.py), against real MLflow: its embedded local store
 (sqlite, MLflow's default) and a real `mlflow server` on loopback. Every run is read back
 through `MlflowClient`, as a user would read it.
 """
@@ -21,7 +21,7 @@ mlflow = pytest.importorskip("mlflow")
 from mlflow import MlflowClient
 
 from ddl_magic import HorovodRunner, RankFailedError
-from ddl_magic.tracking import AUTOMATIC_VARIABLE, TrackingWarning
+from ddl_magic.driver.tracking import AUTOMATIC_VARIABLE, TrackingWarning
 
 SERVER_START_TIMEOUT_S = 90.0
 READY_TIMEOUT_S = 60.0
@@ -433,7 +433,7 @@ def test_a_tracked_fit_logs_its_history_per_epoch_and_a_model_that_loads_back(sp
     import torch
     from pyspark.sql import functions
 
-    from ddl_magic.estimator import TorchEstimator
+    from ddl_magic.spark.estimator import TorchEstimator
 
     rows = spark.range(0, 60, 1, 2).select((functions.col("id") % 7).cast("float").alias("x"),
                                            (functions.col("id") % 2).alias("label"))

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.spark import SparkLauncher
-from ddl_magic.tasks import FunctionTask
+from ddl_magic.wire.tasks import FunctionTask
 from spark_sessions import no_spark_job_active, sent_by_value
 from test_spark_launcher import process_alive, wait_until
 from two_host_cluster import TwoHostCluster, Unavailable
@@ -217,7 +217,7 @@ def start_training_in_background(tmp_path, **env):
 
 def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, cluster, tmp_path,
                                                                    monkeypatch):
-    from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE
+    from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE
 
     monkeypatch.setenv(PEER_TIMEOUT_VARIABLE, str(PEER_TIMEOUT_S))  # the driver's connections
     started, outcome, thread = start_training_in_background(
@@ -254,7 +254,7 @@ def test_a_run_started_while_a_host_is_cut_off_fails_naming_that_host(spark, clu
     """Spark still places ranks on a host it cannot reach (its executor's heartbeat has not
     timed out yet): nothing ever comes from them, and the driver names the host that does
     not answer instead of waiting for the start timeout."""
-    from ddl_magic.protocol import PEER_TIMEOUT_VARIABLE
+    from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE
 
     monkeypatch.setenv(PEER_TIMEOUT_VARIABLE, str(PEER_TIMEOUT_S))  # the driver's probes
     host = cluster.hosts[1]

@@ -224,7 +224,7 @@ def test_interrupt_stops_a_torch_estimator_fit(kernel):
     defined = kernel.run(
         "import os, time\n"
         "from pyspark.sql import functions\n"
-        "from ddl_magic.estimator import TorchEstimator\n"
+        "from ddl_magic.spark.estimator import TorchEstimator\n"
         "class StuckLoss(torch.nn.CrossEntropyLoss):\n"
         "    def forward(self, outputs, labels):\n"
         "        print('READY', os.getpid(), flush=True)\n"
@@ -272,7 +272,7 @@ def test_more_ranks_than_spark_slots_is_refused_at_once(kernel):
 
 
 def test_help_lists_every_option_with_an_example():
-    from ddl_magic.magic import HorovodMagics
+    from ddl_magic.frontends.magic import HorovodMagics
 
     help_text = HorovodMagics.horovod.__doc__
     for option in ("-np", "--spark", "--local", "--out", "--all-ranks", "--timeline", "--timeout",

@@ -1,6 +1,6 @@
 """Cutting a rank's output into lines: endings, progress bars, pieces of any size."""
 
-from ddl_magic.output_lines import LineSplitter
+from ddl_magic.wire.output_lines import LineSplitter
 
 
 def lines_of(*pieces: bytes, finish: bool = True) -> list:

@@ -6,7 +6,7 @@ import os
 import socket
 import time
 
-from ddl_magic.protocol import new_secret
+from ddl_magic.wire.channel import new_secret
 
 NP = 3
 VANISHING_RANK = 1

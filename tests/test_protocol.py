@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ddl_magic.protocol import AuthenticationError, Channel, PeerClosedError, new_secret
+from ddl_magic.wire.channel import AuthenticationError, Channel, PeerClosedError, new_secret
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ddl_magic.run_folders import DEFAULT_KEEP_RUNS, prune_run_folders, runs_to_keep
+from ddl_magic.driver.run_folders import DEFAULT_KEEP_RUNS, prune_run_folders, runs_to_keep
 
 NOW = 2_000_000_000.0
 

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from ddl_magic.job import RunResult
-from ddl_magic.rank_record import RankStatus, new_records
-from ddl_magic.run_report import exit_status
+from ddl_magic.driver.job import RunResult
+from ddl_magic.driver.records import RankStatus, new_records
+from ddl_magic.driver.run_report import exit_status
 from kernel import Kernel
 
 

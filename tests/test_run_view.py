@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddl_magic.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView
 from ddl_magic.ui.run_view import FAILED_ROW_BACKGROUND
 
@@ -303,8 +303,8 @@ def test_the_view_renders_the_drivers_records_as_the_driver_decided_them():
     display: one record per rank behind both."""
     from io import StringIO
 
-    from ddl_magic.rank_record import RankStatus, new_records
-    from ddl_magic.ui import TextDisplay
+    from ddl_magic.driver.records import RankStatus, new_records
+    from ddl_magic.driver.text_display import TextDisplay
 
     records = new_records(2)
     view, text = RunView(records, "%%horovod -np 2", None), TextDisplay(records, StringIO(),
@@ -335,7 +335,7 @@ def test_the_live_summary_leaves_out_a_kind_no_rank_recorded():
 
 
 def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_path):
-    from ddl_magic.trace_columns import TraceFiles
+    from ddl_magic.timeline.columns import TraceFiles
 
     path = tmp_path / "timeline.json"
     with TraceFiles(path) as trace:

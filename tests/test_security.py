@@ -6,7 +6,7 @@ import queue
 import socket
 
 from ddl_magic.launch.local import LocalLauncher
-from ddl_magic.protocol import new_secret
+from ddl_magic.wire.channel import new_secret
 from ranks import run_on_ranks
 
 
@@ -32,7 +32,7 @@ def knock_on_the_control_port_then_allreduce():
     import torch
 
     import ddl_magic.torch as hvd
-    from ddl_magic import worker
+    from ddl_magic.rank import worker
 
     hvd.init()
     if hvd.rank() == 0:

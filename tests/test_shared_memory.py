@@ -17,12 +17,12 @@ import threading
 import pytest
 import torch
 
-from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.local import LocalLauncher
-from ddl_magic.runtime import shared_memory
+from ddl_magic.runtime.planes import shared_memory
 from ddl_magic.runtime.errors import PeerLostError
 from ddl_magic.runtime.world import Peer, World
-from ddl_magic.tasks import FunctionTask
+from ddl_magic.wire.tasks import FunctionTask
 
 from ranks import run_on_ranks
 

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("pyspark")
 from pyspark.sql import functions
 
-from ddl_magic.spark_inference import predict_batches, torch_classifier
+from ddl_magic.spark.inference import predict_batches, torch_classifier
 
 ROWS_PER_BATCH_FROM_SPARK = 10
 

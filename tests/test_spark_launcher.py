@@ -16,9 +16,9 @@ import time
 import pytest
 
 import ddl_magic
-from ddl_magic.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions, RankFailedError
 from ddl_magic.launch.spark import SparkLauncher
-from ddl_magic.tasks import FunctionTask
+from ddl_magic.wire.tasks import FunctionTask
 from spark_sessions import classic_only, no_spark_job_active, sent_by_value, spark_context
 
 RUN_TIMEOUT_S = 90
@@ -256,7 +256,7 @@ def test_without_an_active_session_the_error_says_what_to_do(monkeypatch):
 
 def test_a_run_started_from_another_thread_finds_the_notebooks_session(spark):
     """pyspark's active session is per thread; the default one serves every thread."""
-    from ddl_magic.runner import make_launcher
+    from ddl_magic.frontends.runner import make_launcher
 
     outcome = {}
 

@@ -7,9 +7,11 @@ import io
 
 import pytest
 
-from ddl_magic.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
-from ddl_magic.ui import RunView, TextDisplay, make_display
-from ddl_magic.ui.text_display import TIMELINE_SUMMARY_INTERVAL_S
+from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.driver.text_display import TextDisplay
+from ddl_magic.frontends.options import make_display
+from ddl_magic.ui.run_view import RunView
+from ddl_magic.driver.text_display import TIMELINE_SUMMARY_INTERVAL_S
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "<cell>", line 3\nRuntimeError: loss is NaN\n'
 

@@ -53,7 +53,7 @@ def load_events(path) -> tuple[list[dict], list[dict]]:
 
 def load_events_between_writes(path, timeout: float = 10) -> tuple[list[dict], list[dict]]:
     """`load_events` of a trace still being written: the file is valid JSON except inside the
-    one write that appends a batch (see trace_writer.py), so a torn read is read again."""
+    one write that appends a batch (see timeline/chrome.py), so a torn read is read again."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -155,7 +155,7 @@ class RunningDdlrun:
 
     def __init__(self, *args: str, cwd, env: dict | None = None):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ddl_magic.run", *args], cwd=cwd,
+            [sys.executable, "-m", "ddl_magic.frontends.ddlrun", *args], cwd=cwd,
             env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
@@ -214,7 +214,7 @@ def test_the_trace_stays_valid_json_when_a_rank_is_killed(scripts):
 
 def test_horovod_timeline_variable_gives_ddlrun_its_trace(scripts):
     path = scripts / "from_env.timeline.json"
-    result = subprocess.run([sys.executable, "-m", "ddl_magic.run", "-np", "2", "short.py"],
+    result = subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", "-np", "2", "short.py"],
                             cwd=scripts, env={**os.environ, "HOROVOD_TIMELINE": str(path)},
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

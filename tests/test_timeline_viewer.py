@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 import pytest
 
 from ddl_magic.runtime.timeline import TimelineRecorder
-from ddl_magic.trace_columns import TraceFiles, columnar_path
+from ddl_magic.timeline.columns import TraceFiles, columnar_path
 from ddl_magic.ui.timeline_viewer import (
     TraceData,
     build_figure,

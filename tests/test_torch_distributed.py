@@ -188,7 +188,7 @@ def test_torch_distributor_refuses_what_pyspark_refuses_before_starting_anything
 
 def test_ddlrun_runs_plain_ddp_scripts(script):
     for backend in ("gloo", "ddl"):
-        result = subprocess.run([sys.executable, "-m", "ddl_magic.run", "-np", "2", str(script),
+        result = subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", "-np", "2", str(script),
                                  backend], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                                 cwd=script.parent)
         assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddl_magic.trace_columns import ColumnarTraceWriter, TraceFiles, columnar_path, read_columnar_trace
+from ddl_magic.timeline.columns import ColumnarTraceWriter, TraceFiles, columnar_path, read_columnar_trace
 from ddl_magic.ui.timeline_viewer import load_trace, summarize
 
 from trace_files import chrome_events, columnar_events, rank_names_of_chrome_trace

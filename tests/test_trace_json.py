@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddl_magic.trace_writer import TraceWriter
-from ddl_magic.ui.trace_json import JsonTraceEvents
+from ddl_magic.timeline.chrome import TraceWriter
+from ddl_magic.timeline.json_reader import JsonTraceEvents
 
 
 def our_trace(path: Path) -> Path:

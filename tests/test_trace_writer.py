@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ddl_magic.trace_writer import LANE_ORDER, TraceWriter
+from ddl_magic.timeline.chrome import LANE_ORDER, TraceWriter
 
 
 def read_trace(path: Path) -> dict[str, Any]:
@@ -170,7 +170,7 @@ def test_starting_again_replaces_an_old_trace(path: Path) -> None:
 
 WRITE_FOREVER = textwrap.dedent("""
     import sys
-    from ddl_magic.trace_writer import TraceWriter
+    from ddl_magic.timeline.chrome import TraceWriter
 
     trace = TraceWriter(sys.argv[1])
     for rank in range(4):

@@ -1,6 +1,6 @@
 """A rank's traceback as shown: the user's frames, with ddl_magic's own left out and counted."""
 
-from ddl_magic.ui.tracebacks import without_machinery_frames
+from ddl_magic.driver.tracebacks import without_machinery_frames
 
 COLLECTIVE_ERROR = '''Traceback (most recent call last):
   File "<cell>", line 4, in <module>

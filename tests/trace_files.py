@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ddl_magic.trace_columns import columnar_path, read_columnar_trace
+from ddl_magic.timeline.columns import columnar_path, read_columnar_trace
 
 Event = tuple[int, str, str, float, float, str]
 """(rank, lane, name, start_us, duration_us, args as sorted JSON)."""

@@ -1,6 +1,6 @@
 """Ranks as local processes: the embedded default, no cluster needed.
 
-Ranks are forked by the rank factory (`rank_factory.py`), a clean process with torch
+Ranks are forked by the rank factory (`rank/factory.py`), a clean process with torch
 already imported, never by the notebook kernel itself, where CUDA may be initialised and
 threads are running. Each rank gets one torch thread unless the user says otherwise (N ranks
 on N cores, not N x N threads), and the kernel's working directory, `sys.path` and
@@ -18,9 +18,9 @@ import subprocess
 import sys
 import threading
 
-from ..events import ProcessExited, RankOutput, RankProcessState
-from ..messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
-from .rank_factory import FrameReader, write_frame
+from ..driver.events import ProcessExited, RankOutput, RankProcessState
+from ..wire.messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
+from ..rank.factory import FrameReader, write_frame
 
 FORK_TIMEOUT_S = 60.0  # for the rank factory to fork a rank it was asked for
 
@@ -31,7 +31,7 @@ class _RankFactory:
 
     def __init__(self):
         self._process = subprocess.Popen(
-            [sys.executable, "-c", "from ddl_magic.launch.rank_factory import serve; serve()"],
+            [sys.executable, "-c", "from ddl_magic.rank.factory import serve; serve()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.getcwd())
         self._lock = threading.Lock()
         self._ids = itertools.count()

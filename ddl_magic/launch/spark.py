@@ -6,7 +6,7 @@ and serverless compute) have only the DataFrame API's barrier mode (``mapInArrow
 barrier=True)``), and every run over a DataFrame uses it; a classic session runs a run without
 data as an RDD barrier stage, whose tasks start about a second sooner. How the stage is
 submitted, counted and cancelled is all that differs (`_ClassicJobs`, `_ConnectJobs`). Each task
-starts the same worker bootstrap as a local rank, ``python -m ddl_magic.worker``, as a child
+starts the same worker bootstrap as a local rank, ``python -m ddl_magic.rank.worker``, as a child
 process, so the rank is isolated from Spark's reused Python worker, and waits for it.
 Rendezvous goes through the driver's control server, not Spark's ``allGather`` (about a
 second per call).
@@ -20,7 +20,7 @@ Three Spark behaviours shape this module:
   a failure never starts the training a second time.
 - The job returns only when every task has ended, but a rank that dies before it registers
   would leave the others waiting for it. Each task therefore relays to the driver's control
-  server (`control.TaskRelay`) what its rank's process writes, then at once that it ended;
+  server (`rank/spark_task.TaskRelay`) what its rank's process writes, then at once that it ended;
   a task that cannot (its Python lacks ddl_magic, the driver is out of reach) says so in the
   row it returns. The task, not the rank, reading the rank's output means a rank killed
   mid-line still has its last words shown.
@@ -40,9 +40,10 @@ from collections.abc import Callable
 
 from pyspark import InheritableThread
 
-from ..events import FailureKind, ProcessExited, RankFailed, describe_ranks
-from ..liveness import report_interval_s
-from ..protocol import peer_timeout_s
+from ..driver.events import FailureKind, ProcessExited, RankFailed, describe_ranks
+from ..wire.liveness import report_interval_s
+from ..wire.channel import peer_timeout_s
+from ..rank.spark_task import run_rank_task
 from . import spark_session
 
 # How many lines of a rank's own stdout/stderr (what it printed before it could report over
@@ -121,7 +122,7 @@ class SparkLauncher:
         """Submit the barrier stage from a background thread and return at once."""
         self._job_tag = f"ddl_magic-{uuid.uuid4().hex[:12]}"
         self._stopping.clear()
-        task = functools.partial(_by_value(_run_rank_task), control_address, secret,
+        task = functools.partial(_by_value(run_rank_task), control_address, secret,
                                  OUTPUT_TAIL_LINES, report_interval_s(peer_timeout_s()),
                                  self._data is not None)
         run_tasks = self._jobs.barrier_stage(np, task, self._data)
@@ -272,144 +273,3 @@ def _by_value(function: types.FunctionType) -> types.FunctionType:
     namespace = {"__name__": "ddl_magic_spark_task", "__builtins__": builtins}
     return types.FunctionType(function.__code__, namespace, function.__name__,
                               function.__defaults__, function.__closure__)
-
-
-def _run_rank_task(control_address, secret, tail_lines, report_interval, hand_over_rows,
-                   as_arrow, batches):
-    """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
-
-    The task owns its rank's process: every `report_interval` seconds it tells the driver
-    what state the kernel says the process is in (`liveness.py`), from a thread that the
-    rank's own Python cannot starve.
-
-    With `hand_over_rows`, the partition's rows are the rank's share of the data it trains
-    on (`ddl_magic.shards`). Tells the driver how the rank's process ended (returncode None:
-    it could not start, and the output says why), and returns that as one row of
-    `TASK_RESULT_SCHEMA`: an Arrow batch of one row (`as_arrow`, in a DataFrame stage) or a
-    dict (in an RDD stage). Never raises for a failed rank.
-    """
-    import collections
-    import importlib.util
-    import os
-    import socket
-    import subprocess
-    import sys
-    import threading
-
-    from pyspark import BarrierTaskContext
-
-    task = BarrierTaskContext.get()
-    rank = task.partitionId()
-    if task.attemptNumber() > 0:
-        return  # Spark retried the task after a failure: a rank never runs twice
-    host = socket.gethostname()
-
-    relay = None
-    try:
-        from ddl_magic.control import TaskRelay
-
-        relay = TaskRelay(control_address, secret, rank)
-        relay.started([info.address for info in task.getTaskInfos()])  # the driver probes them
-    except (ImportError, OSError):
-        relay = None  # the rank forwards its own output; this task reports in the row it returns
-
-    def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
-        read_end, write_end = os.pipe()
-        env = dict(os.environ, **(extra_env or {}),
-                   DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
-                   DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
-                   PYTHONUNBUFFERED="1")
-        if relay is not None:
-            env["DDL_MAGIC_OUTPUT_FORWARDED"] = "1"
-        gpus = task.resources().get("gpu")
-        if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
-        with os.fdopen(write_end, "wb") as pipe:
-            try:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "ddl_magic.worker"], env=env,
-                    pass_fds=(read_end, *extra_fds), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE if relay is not None else subprocess.STDOUT)
-            except OSError as exc:
-                return None, f"cannot start {sys.executable} on {host}: {exc}"
-            finally:
-                for fd in (read_end, *extra_fds):
-                    os.close(fd)
-            pipe.write(secret)
-        if relay is not None:
-            from ddl_magic.output_lines import forward_lines
-
-            def forward(pipe, stream):
-                forward_lines(lambda: pipe.read1(65536), lambda lines: relay.output(stream, lines))
-
-            forwarders = [threading.Thread(target=forward, args=(pipe, stream), daemon=True)
-                          for pipe, stream in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
-            for forwarder in forwarders:
-                forwarder.start()
-            from ddl_magic.liveness import process_state
-
-            def report_liveness():
-                while not process_ended.wait(report_interval):
-                    try:
-                        relay.alive(process_state(process.pid).value)
-                    except OSError:
-                        return  # the driver is gone: the rank learns it too, and ends
-
-            process_ended = threading.Event()
-            threading.Thread(target=report_liveness, daemon=True).start()
-        if while_it_starts is not None:
-            while_it_starts()
-        if relay is not None:
-            returncode = process.wait()
-            process_ended.set()
-            for forwarder in forwarders:  # all it wrote, unless a child of its own lives on
-                forwarder.join(timeout=5)
-            return returncode, ""
-        # The rank forwards its output over the control channel once registered; what arrives
-        # here is what it printed before that (e.g. why it could not connect) or after.
-        tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
-                                 maxlen=tail_lines)
-        return process.wait(), "".join(tail)
-
-    try:
-        if importlib.util.find_spec("ddl_magic") is None:
-            raise ModuleNotFoundError("No module named 'ddl_magic'")
-    except (ImportError, ValueError) as exc:
-        returncode, output = None, (
-            f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
-            "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
-    else:
-        if hand_over_rows:  # written while the rank starts; it waits for the word on a pipe
-            from ddl_magic import shards
-
-            shard = shards.new_shard_path()
-            ready_read, ready_write = os.pipe()
-            try:
-                returncode, output = run_rank(
-                    {shards.SHARD_VARIABLE: shard, shards.READY_FD_VARIABLE: str(ready_read)},
-                    (ready_read,), lambda: shards.write_shard(batches, shard, ready_write))
-            finally:
-                os.close(ready_write)
-                shards.remove_shard(shard)
-        else:
-            returncode, output = run_rank()
-    reported = False
-    if relay is not None:
-        try:
-            relay.exited(host, returncode, output)
-            reported = True
-        except OSError:  # the row below is the driver's only word of it
-            pass
-        relay.close()
-    result = {"rank": rank, "host": host, "returncode": returncode, "output": output,
-              "reported": reported}
-    if not as_arrow:
-        yield result
-        return
-    import pyarrow
-
-    columns = pyarrow.schema([("rank", pyarrow.int64()), ("host", pyarrow.string()),  # as
-                              ("returncode", pyarrow.int64()), ("output", pyarrow.string()),
-                              ("reported", pyarrow.bool_())])  # TASK_RESULT_SCHEMA
-    yield pyarrow.RecordBatch.from_pylist([result], schema=columns)

@@ -3,7 +3,7 @@
 The op queue hands each `Response` here together with this rank's entries for its names.
 Everything around the data movement lives here — packing many tensors into one fusion
 buffer, the prescale and postscale factors, staging CUDA tensors through host memory where
-the plane cannot carry them, and the timeline's labels — so that the plane (`planes.py`:
+the plane cannot carry them, and the timeline's labels — so that the plane (`planes/`:
 shared memory, the TCP ring, or both, hierarchically) only moves one flat buffer. On one
 host a small allreduce's data may even ride on the negotiation round that agrees on it
 (`run_attached`).
@@ -20,7 +20,7 @@ from .. import kernels
 from .negotiation import Request, Response
 from .planes import DataPlane, SharedMemoryPlane
 from .reduce_ops import ReduceOp
-from .shared_memory import BUFFER_BYTES, MESSAGE_BYTES
+from .planes.shared_memory import BUFFER_BYTES, MESSAGE_BYTES
 from .timeline import recorder
 
 

@@ -22,8 +22,8 @@ from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
 from .planes import SharedMemoryPlane, choose_plane
 from .settings import Settings
-from .shared_memory import connect_host_group
-from .transport import RingTransport, connect_ring
+from .planes.shared_memory import connect_host_group
+from .planes.tcp import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
 
@@ -40,7 +40,7 @@ class DriverLink(Protocol):
 
 @dataclass
 class RankBootstrap:
-    """Everything a launched rank knows before `init()`: set by `ddl_magic.worker`."""
+    """Everything a launched rank knows before `init()`: set by `ddl_magic.rank.worker`."""
 
     rank: int
     peers: list[Peer]

@@ -49,7 +49,7 @@ from .collectives import CollectiveRunner
 from .errors import CollectiveTimeoutError, HorovodInternalError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
-from .shared_memory import MESSAGE_ROOM, SLEEP_SLICE_S, HostGroup
+from .planes.shared_memory import MESSAGE_ROOM, SLEEP_SLICE_S, HostGroup
 
 _MAX_WINDOWS = 10
 

@@ -21,13 +21,13 @@ import socket
 import sys
 import time
 
-from ..messages import Abort, Bye, CollectiveTimedOut, CycleToRun, Submit
-from ..protocol import PeerClosedError
+from ..wire.messages import Abort, Bye, CollectiveTimedOut, CycleToRun, Submit
+from ..wire.channel import PeerClosedError
 from .collectives import CollectiveRunner
 from .errors import CollectiveTimeoutError, HorovodInternalError, PeerLostError
 from .negotiation import Coordinator
 from .op_queue import Handle, OpQueue
-from .transport import RingTransport
+from .planes.tcp import RingTransport
 
 
 class TcpOpQueue(OpQueue):

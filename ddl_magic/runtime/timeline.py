@@ -3,7 +3,7 @@
 Horovod's timeline writes every event from rank 0 as it happens, which users measured at up
 to ~40% of throughput. Here each rank only appends a tuple to an in-memory buffer; the worker
 drains that buffer every so often and ships the batch to the driver, which writes the one
-merged trace (see ``ddl_magic.trace_writer``).
+merged trace (see ``ddl_magic.timeline.chrome``).
 
 The runtime calls the recorder on its hot path, so the pattern there is::
 

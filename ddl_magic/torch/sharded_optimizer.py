@@ -37,7 +37,7 @@ import math
 import torch
 
 from ..runtime.reduce_ops import ReduceOp
-from ..runtime.ring import chunk_bounds
+from ..runtime.planes.ring import chunk_bounds
 from .compression import Compressor
 from .functions import allgather_object, broadcast_object
 from .ops import (allgather_into_async, allreduce, rank, reducescatter_parts_async_, size,

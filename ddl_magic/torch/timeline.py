@@ -47,7 +47,7 @@ def stop_timeline() -> None:
         return
     recorder.enabled = False
     if _standalone_path is not None:
-        from ..trace_columns import TraceFiles
+        from ..timeline.columns import TraceFiles
 
         with TraceFiles(_standalone_path) as trace:
             trace.add_rank(0, socket.gethostname())

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..trace_writer import LANE_ORDER
+from ..timeline.chrome import LANE_ORDER
 from .timeline_viewer import (
     NOT_MEASURED,
     TraceData,

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from ..events import Event, RankFailed, RankOutput, TimelineBatch
-from ..rank_record import RankRecord, RankStatus, new_records
-from .tracebacks import without_machinery_frames
+from ..driver.events import Event, RankFailed, RankOutput, TimelineBatch
+from ..driver.records import RankRecord, RankStatus, new_records
+from ..driver.tracebacks import without_machinery_frames
 
 STATUS_COLOURS = {
     "starting": "#9e9e9e",

@@ -10,7 +10,7 @@ chrome://tracing.
 
 Two formats are read:
 
-* ours, written by ``ddl_magic.trace_writer.TraceWriter``: a Chrome trace object of
+* ours, written by ``ddl_magic.timeline.chrome.TraceWriter``: a Chrome trace object of
   complete (``"ph": "X"``) events with ``pid`` = rank and ``cat`` = lane;
 * Horovod's ``HOROVOD_TIMELINE`` file: a JSON array, often without its closing ``]``, with
   one process per tensor and ``B``/``E`` pairs per activity. It becomes rank 0 with one lane
@@ -47,8 +47,8 @@ import plotly.colors
 import plotly.graph_objects as go
 import pyarrow as pa
 
-from ..trace_columns import COLUMNAR_SUFFIX, columnar_path, read_columnar_trace
-from .trace_json import JsonTraceEvents
+from ..timeline.columns import COLUMNAR_SUFFIX, columnar_path, read_columnar_trace
+from ..timeline.json_reader import JsonTraceEvents
 
 DEFAULT_MAX_SHAPES = 5_000
 """Above this many events the figure draws merged busy intervals instead of every event."""
@@ -175,7 +175,7 @@ def load_trace(path: str | os.PathLike[str]) -> TraceData:
     """Read a ddl_magic trace or a Horovod timeline file.
 
     A run of ddl_magic writes its events twice: the Chrome trace at ``path`` and the same
-    events in columns beside it (``run.timeline.arrow``, see ``ddl_magic.trace_columns``).
+    events in columns beside it (``run.timeline.arrow``, see ``ddl_magic.timeline.columns``).
     The columns are read when they are there, which takes a fraction of a second where
     parsing the JSON takes many; ``path`` may also name the ``.arrow`` file itself. Other
     traces (Horovod's, Chrome's) are parsed as JSON a chunk at a time (``trace_json``), so
@@ -608,7 +608,7 @@ class _EventColumns:
 
 
 def _from_columns(table: pa.Table, rank_names: dict[int, str]) -> TraceData:
-    """A trace from the columns ``ddl_magic.trace_columns`` wrote: no per-event Python object.
+    """A trace from the columns ``ddl_magic.timeline.columns`` wrote: no per-event Python object.
 
     Lane codes follow the Chrome trace's tid order, so rows sort by (rank, lane code).
     """

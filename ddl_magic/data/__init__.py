@@ -1,2 +1,0 @@
-"""Small data sets shipped with ddl_magic for the examples and the demo; read them with
-``ddl_magic.datasets``."""

@@ -1,0 +1,145 @@
+"""From a notebook cell to the bytes every rank runs: the one place that decides what is captured.
+
+The cell is treated as the body of a function: the notebook names it *reads* without
+assigning them (variables, functions, classes, modules) are captured; the names it assigns
+stay on the ranks. Python's own `symtable` decides which is which, so nested functions,
+comprehensions and classes in the cell follow Python's scoping rules exactly.
+
+Everything is cloudpickled once. When that fails, each captured name is tried alone so the
+error can say which variable cannot travel, and what to do about it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import symtable
+import textwrap
+from dataclasses import dataclass
+
+import cloudpickle
+
+from ..wire.tasks import CellTask, FunctionTask
+
+LARGE_PAYLOAD_BYTES = 50 * 1024 * 1024
+_NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___"}
+
+
+class CaptureError(ValueError):
+    """The cell cannot be sent to the ranks; the message says why and what to do."""
+
+
+@dataclass
+class CapturedCell:
+    payload: bytes
+    names: dict[str, str]  # captured name -> its type, for the report line
+
+    def report(self) -> str:
+        """'captured lr (float), Net (class), torch (module) · payload 3.1 KB'"""
+        listed = ", ".join(f"{name} ({kind})" for name, kind in self.names.items()) or "no notebook names"
+        return f"ddl_magic: captured {listed} · payload {format_bytes(len(self.payload))}"
+
+    @property
+    def is_large(self) -> bool:
+        return len(self.payload) > LARGE_PAYLOAD_BYTES
+
+
+def capture_cell(source: str, namespace: dict) -> CapturedCell:
+    """Build the payload for `source`, capturing the names it reads from `namespace`.
+
+    >>> captured = capture_cell("y = x * 2\\ny", {"x": 21})
+    >>> captured.names
+    {'x': 'int'}
+    """
+    if "get_ipython()" in source:
+        raise CaptureError(
+            "this cell uses IPython syntax (a %magic or !shell line), which cannot run on the "
+            "ranks: they run plain Python. Move that line to a cell of its own.")
+    names = {name: namespace[name] for name in names_read(source) if name in namespace}
+    payload = _pickle(CellTask(source, names), names)
+    return CapturedCell(payload, {name: _kind(value) for name, value in names.items()})
+
+
+def capture_function(function, kwargs: dict, args: tuple = ()) -> bytes:
+    """The payload for `HorovodRunner.run(function, **kwargs)`, naming what cannot be pickled."""
+    try:
+        return cloudpickle.dumps(FunctionTask(function, kwargs, tuple(args)))
+    except Exception as whole_error:
+        name = getattr(function, "__name__", repr(function))
+        used = inspect.getclosurevars(function) if inspect.isfunction(function) else None
+        positional = {f"#{i + 1}": value for i, value in enumerate(args)}
+        for where, values in (("argument", {**positional, **kwargs}),
+                              ("variable", {**used.nonlocals, **used.globals} if used else {})):
+            culprit = _first_unpicklable(values)
+            if culprit is not None:
+                raise CaptureError(
+                    f"{name}() uses the {where} {culprit}. Create it inside {name}() instead, "
+                    "or pass what it is made from.") from None
+        raise CaptureError(f"{name}() cannot be sent to the ranks: {whole_error}") from None
+
+
+def names_read(source: str) -> list[str]:
+    """The global names `source` reads when run as a function body, in order of appearance.
+
+    >>> names_read("import math\\nz = math.pi * r\\ndef f(): return z + w")
+    ['r', 'w']
+    """
+    body = textwrap.indent(source, "    ") or "    pass"
+    try:
+        table = symtable.symtable(f"def __cell__():\n{body}\n    pass\n", "<%%horovod cell>", "exec")
+    except SyntaxError as exc:
+        raise CaptureError(f"the cell has a syntax error on line {exc.lineno - 1 if exc.lineno else '?'}: "
+                           f"{exc.msg}") from None
+    found: dict[str, None] = {}
+    _collect_globals(table.get_children()[0], found)
+    return [name for name in found
+            if name not in _NOTEBOOK_INTERNALS and not hasattr(builtins, name)]
+
+
+def _collect_globals(table: symtable.SymbolTable, found: dict[str, None]) -> None:
+    for symbol in table.get_symbols():
+        if symbol.is_global() and (symbol.is_referenced() or symbol.is_assigned()):
+            found.setdefault(symbol.get_name(), None)
+    for child in table.get_children():
+        _collect_globals(child, found)
+
+
+def _pickle(task: CellTask, names: dict) -> bytes:
+    try:
+        return cloudpickle.dumps(task)
+    except Exception as whole_error:
+        culprit = _first_unpicklable(names)
+        if culprit is not None:
+            raise CaptureError(
+                f"the cell uses the notebook variable {culprit}. Create it inside the cell "
+                "instead (each rank then builds its own), or pass what it is made from (a path, "
+                "a config dict).") from None
+        raise CaptureError(f"the cell cannot be sent to the ranks: {whole_error}") from None
+
+
+def _first_unpicklable(values: dict) -> str | None:
+    """"'lock' (lock), which cannot be sent to the ranks: TypeError: ..." for the first one."""
+    for name, value in values.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            return (f"{name!r} ({_kind(value)}), which cannot be sent to the ranks: "
+                    f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, type):
+        return "class"
+    kind = type(value).__name__
+    return "function" if kind in ("function", "builtin_function_or_method") else kind
+
+
+def format_bytes(count: int) -> str:
+    """1536 -> '1.5 KB'"""
+    size = float(count)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"

@@ -1,0 +1,92 @@
+"""A finished run as a report to read: what `ddl_magic.last_run()` shows in a notebook (an
+HTML table) and as text elsewhere (a few short lines, not the dataclass's one-line dump).
+
+Example::
+
+    >>> run = ddl_magic.last_run()          # doctest: +SKIP
+    >>> run                                 # doctest: +SKIP
+    run 20261125-100732-4a9ede: done in 3.6 s on local processes (2 ranks)
+      rank 0  done  vm  exit 0  3.5 s
+      rank 1  done  vm  exit 0  3.5 s
+      logs: /tmp/ddl_magic-runs/20261125-100732-4a9ede
+      timeline: /tmp/ddl_magic-runs/20261125-100732-4a9ede/timeline.json
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from .attribution import describe_exit
+from .records import RankRecord, RankStatus
+
+if TYPE_CHECKING:
+    from .job import RunResult
+
+STATUS_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
+                  "interrupted": "#fb8c00", "timed out": "#fb8c00", "starting": "#9e9e9e",
+                  "stopped": "#757575"}
+
+
+def exit_status(code: int | None) -> str:
+    """How a rank's process ended, for a person: "0", "1", "killed by SIGKILL", or "—" where
+    no exit is known (a Spark task's rank).
+
+    Example:
+        >>> exit_status(0), exit_status(-9), exit_status(None)
+        ('0', 'killed by SIGKILL', '—')
+    """
+    if code is None:
+        return "—"
+    return describe_exit(code) if code < 0 else str(code)
+
+
+def run_headline(run: RunResult) -> str:
+    """'done in 3.6 s on local processes (2 ranks)'."""
+    verb = {"done": "done in", "running": "running for"}.get(run.status, f"{run.status} after")
+    return f"{verb} {run.duration_s:.1f} s on {run.where} ({run.np} ranks)"
+
+
+def run_report_text(run: RunResult) -> str:
+    """A few lines: the run, a line per rank, where its logs and timeline are."""
+    lines = [f"run {run.run_id}: {run_headline(run)}"]
+    if run.error:
+        lines.append(f"  error: {run.error}")
+    for rank in run.ranks:
+        seconds = "—" if rank.duration_s is None else f"{rank.duration_s:.1f} s"
+        reason = f"  ({rank.reason})" if rank.reason else ""
+        lines.append(f"  rank {rank.rank}  {rank.status.value}  {rank.host or '—'}  "
+                     f"exit {exit_status(rank.exit_code)}  {seconds}{reason}")
+    lines.append(f"  logs: {run.log_dir}")
+    if run.timeline_path:
+        lines.append(f"  timeline: {run.timeline_path}")
+    return "\n".join(lines)
+
+
+def run_report_html(run: RunResult) -> str:
+    """The same as a table: status per rank (coloured), host, exit, when it started and how
+    long it ran (seconds, from the run's start), and why it failed or stopped."""
+    colour = STATUS_COLOURS.get(run.status, "#757575")
+    rows = "".join(_rank_row(run, rank) for rank in run.ranks)
+    header = "".join(f"<th>{name}</th>" for name in
+                     ("rank", "status", "host", "pid", "exit", "started at s", "ran s", "reason"))
+    style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+    error = f"<div>{html.escape(run.error)}</div>" if run.error else ""
+    timeline = (f"<div>timeline: <code>{html.escape(run.timeline_path)}</code></div>"
+                if run.timeline_path else "")
+    return (f"<div><b>run {html.escape(run.run_id)}</b> · "
+            f'<b style="color:{colour}">{html.escape(run_headline(run))}</b></div>{error}'
+            f'<table style="{style}"><tr>{header}</tr>{rows}</table>'
+            f"<div>logs: <code>{html.escape(run.log_dir)}</code> (<code>run.log(rank)</code> reads one)</div>"
+            f"{timeline}")
+
+
+def _rank_row(run: RunResult, rank: RankRecord) -> str:
+    colour = STATUS_COLOURS.get(rank.status.value, "#757575")
+    started = "—" if rank.started_at is None else f"{rank.started_at - run.started_at:.2f}"
+    ran = "—" if rank.duration_s is None else f"{rank.duration_s:.2f}"
+    cells = [str(rank.rank), f'<span style="color:{colour}">{rank.status.value}</span>',
+             html.escape(rank.host or "—"), "—" if rank.pid is None else str(rank.pid),
+             html.escape(exit_status(rank.exit_code)), started, ran, html.escape(rank.reason)]
+    background = ' style="background:#ffebee"' if rank.status is RankStatus.FAILED else ""
+    return f"<tr{background}>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"

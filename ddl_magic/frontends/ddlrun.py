@@ -1,0 +1,169 @@
+"""`ddlrun`: run a Python command on N local ranks from a terminal.
+
+    ddlrun -np 4 python train.py --epochs 3
+    ddlrun -np 2 python -m my_package.train --epochs 3
+    ddlrun -np 2 python -c "import ddl_magic.torch as hvd; hvd.init(); print(hvd.rank())"
+    python -m ddl_magic.frontends.ddlrun -np 2 --timeline trace.json train.py
+
+The command is what torchrun and horovodrun users type: `python script.py`, `python -m
+module` or `python -c code`, each with its arguments, or the script alone. Each rank runs it
+as `python` would (`__main__`, `sys.argv`, `sys.exit`), in a process forked from a warm
+Python, so the command's `python` names no interpreter of its own: ranks use ddlrun's.
+
+Every line a rank prints comes out prefixed with its rank (``[1] ...``). When one rank fails
+the others are stopped within seconds, its traceback is printed once, and ddlrun exits with
+that rank's exit code. Ctrl-C (SIGINT) stops every rank, also when ddlrun was started with
+SIGINT ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import os
+import signal
+import sys
+
+from .options import make_display
+from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError
+from ..launch.local import LocalLauncher
+from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
+
+USAGE = ("ddlrun runs a Python command: ddlrun -np 2 python train.py [args], "
+         "ddlrun -np 2 python -m package.module [args], ddlrun -np 2 python -c CODE [args], "
+         "or ddlrun -np 2 train.py [args]")
+# Python's options that change nothing on a rank, whose output is flushed line by line.
+HARMLESS_PYTHON_OPTIONS = ("-u",)
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """['A=1', 'B=x'] -> {'A': '1', 'B': 'x'}, with an error that shows the expected form."""
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env {pair!r}: expected KEY=VALUE, for example --env OMP_NUM_THREADS=2")
+        env[key] = value
+    return env
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddlrun", description=__doc__.split("\n\n")[0],
+        epilog="examples: ddlrun -np 2 python train.py --epochs 3; "
+               "ddlrun -np 2 python -m package.train --epochs 3; "
+               "ddlrun -np 2 python -c 'import torch; ...'")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
+                        help="number of ranks to start on this machine")
+    parser.add_argument("--timeline", metavar="PATH", default=os.environ.get("HOROVOD_TIMELINE"),
+                        help="write every rank's timeline to PATH (Chrome trace format); "
+                             "HOROVOD_TIMELINE does the same")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="stop all ranks if the run takes longer than this")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set an environment variable on every rank (repeatable)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="python script.py | python -m module | python -c code, then its "
+                             "arguments (or just script.py [args...])")
+    return parser
+
+
+def command_task(command: list[str]) -> ScriptTask | ModuleTask | CodeTask:
+    """The task that runs `command` on a rank, as `python` would run it there.
+
+    >>> command_task(["python", "-m", "json.tool", "--help"])
+    ModuleTask(module='json.tool', args=['--help'])
+
+    Raises ValueError, saying what ddlrun runs, for anything else.
+    """
+    if not command:
+        raise ValueError(f"give the command to run. {USAGE}")
+    if os.path.basename(command[0]).startswith("python"):
+        arguments = command[1:]
+        while arguments and arguments[0] in HARMLESS_PYTHON_OPTIONS:
+            arguments = arguments[1:]
+        if not arguments:
+            raise ValueError(f"give the script to run after {command[0]!r}. {USAGE}")
+        if arguments[0] == "-m":
+            return _module_task(arguments[1:])
+        if arguments[0] == "-c":
+            if len(arguments) < 2:
+                raise ValueError(f"-c needs the code to run. {USAGE}")
+            return CodeTask(arguments[1], arguments[2:])
+        if arguments[0].startswith("-"):
+            raise ValueError(f"python option {arguments[0]!r} is not passed on to the ranks "
+                             f"(they are forked from a running Python). {USAGE}")
+        return _script_task(arguments, is_python_command=True)
+    return _script_task(command, is_python_command=False)
+
+
+def _module_task(arguments: list[str]) -> ModuleTask:
+    if not arguments or arguments[0].startswith("-"):
+        raise ValueError(f"-m needs the module to run. {USAGE}")
+    module = arguments[0]
+    # Only the top-level package is looked for: finding a submodule would import its
+    # package here, in the driver. Ranks find modules in the working directory, as `-m` does.
+    top_level = module.split(".")[0]
+    if importlib.machinery.PathFinder.find_spec(top_level, [os.getcwd(), *sys.path]) is None:
+        raise ValueError(f"module {top_level!r} not found in the working directory "
+                         f"({os.getcwd()}) or on sys.path: check its name, or run ddlrun where "
+                         "the package is, or install it")
+    return ModuleTask(module, arguments[1:])
+
+
+def _script_task(arguments: list[str], is_python_command: bool) -> ScriptTask:
+    path = arguments[0]
+    if not is_python_command and not _looks_like_python(path):
+        raise ValueError(f"{path!r} is not a Python script. {USAGE}")
+    if not os.path.isfile(path):
+        raise ValueError(f"script {path!r} not found (working directory: {os.getcwd()})")
+    return ScriptTask(os.path.abspath(path), arguments[1:])
+
+
+def _looks_like_python(path: str) -> bool:
+    """A `.py` file (existing or not: then it is reported missing), or a file whose `#!`
+    line names python."""
+    if path.endswith(".py"):
+        return True
+    try:
+        with open(path, "rb") as file:
+            first_line = file.readline(200)
+    except OSError:
+        return False
+    return first_line.startswith(b"#!") and b"python" in first_line
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C stops every rank even when ddlrun inherited SIGINT ignored (started as a
+    # background job, or by some CI runners): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.np < 1:
+        parser.error(f"-np must be at least 1 (got {args.np})")
+    try:
+        env = parse_env(args.env)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        task = command_task(args.command)
+    except ValueError as exc:
+        parser.error(str(exc))
+    options = JobOptions(display=make_display, timeout_s=args.timeout, timeline_path=args.timeline, env=env,
+                         title=" ".join(args.command))
+    try:
+        Job(task, args.np, LocalLauncher(), options).run()
+    except RankFailedError as exc:
+        code = exc.exit_code
+        return 128 - code if code is not None and code < 0 else (code or 1)
+    except RunTimeoutError as exc:
+        print(f"ddlrun: {exc}", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        print("ddlrun: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The `%%horovod` cell magic: thin glue between IPython and the modules that do the work."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .options import make_display, shows_run_view
+from ..driver.capture import CaptureError, capture_cell, format_bytes
+from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
+from .ddlrun import parse_env
+from .runner import make_launcher
+
+
+class HorovodUsageError(ValueError):
+    """A mistake in the %%horovod line; the message says how to write it.
+
+    Raised (unlike IPython's own UsageError) as a real error, so "Run All" stops here.
+    """
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (the stop button, Ctrl-C) and every rank was stopped.
+
+    A KeyboardInterrupt still, so "Run All" stops here; shown as its one line, not as the
+    driver's loop that the interrupt happened to land in.
+    """
+
+
+@magics_class
+class HorovodMagics(Magics):
+    @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
+    @argument("-np", "--num-proc", dest="np", type=int, required=True,
+              help="number of ranks to run the cell on")
+    @argument("--spark", action="store_true",
+              help="run as Spark barrier tasks on the active SparkSession")
+    @argument("--local", action="store_true",
+              help="run as local processes (the default when no SparkSession is active)")
+    @argument("-o", "--out", metavar="NAME",
+              help="store the result (rank 0's last expression) in the notebook as NAME")
+    @argument("--all-ranks", action="store_true",
+              help="the result is the list of every rank's last expression")
+    @argument("--timeline", nargs="?", const="", metavar="PATH",
+              help="record every rank's timeline (Chrome trace format) to PATH "
+                   "(default: in the run's log folder) and show it after the run; it opens "
+                   "in chrome://tracing and Perfetto too")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="stop all ranks if the cell runs longer than this")
+    @argument("--env", action="append", default=[], metavar="KEY=VALUE",
+              help="set an environment variable on every rank (repeatable)")
+    @argument("--gpu", action="store_true",
+              help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
+    @argument("--quiet", action="store_true",
+              help="don't print the report of captured names and payload size")
+    @argument("--mlflow", nargs="?", const=True, metavar="EXPERIMENT",
+              help="track the run in MLflow (in EXPERIMENT, if named): every rank logs into "
+                   "it. Runs are tracked anyway while the notebook has an active MLflow run, "
+                   "unless DDL_MAGIC_MLFLOW=off")
+    @cell_magic
+    def horovod(self, line: str, cell: str):
+        """Run this cell on N ranks with ddl_magic's ring-allreduce runtime.
+
+        Example::
+
+            %%horovod -np 2
+            import torch
+            import ddl_magic.torch as hvd
+            hvd.init()
+            total = hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)
+            total.item()          # rank 0's last expression is the cell's result: 3.0
+
+        The cell runs as a function: the notebook names it reads (variables, functions,
+        classes, modules) are sent to every rank; the names it assigns stay on the ranks.
+        Ranks are Spark barrier tasks when a SparkSession is active, else local processes.
+        Every rank's output is shown live, separately. If a rank fails, its traceback is
+        shown and every other rank is stopped; the stop button stops all ranks.
+        """
+        try:
+            args = parse_argstring(self.horovod, line)
+        except UsageError as exc:
+            raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
+                                    "See %%horovod? for every option.") from None
+        if args.np < 1:
+            raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
+        if args.spark and args.local:
+            raise HorovodUsageError("choose one of --spark and --local")
+        if args.out is not None and not args.out.isidentifier():
+            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
+        try:
+            env = parse_env(args.env)
+        except ValueError as exc:
+            raise HorovodUsageError(str(exc)) from None
+        # The leading newline stands for the %%horovod line, so tracebacks from the ranks
+        # give line numbers as the notebook shows them.
+        captured = capture_cell("\n" + self.shell.transform_cell(cell), self.shell.user_ns)
+        if not args.quiet:
+            print(captured.report())
+        if captured.is_large:
+            print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
+                  "load large data on each rank (from files) instead of capturing it")
+        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
+        options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
+                             timeline_path=args.timeline, use_gpu=args.gpu,
+                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow)
+        try:
+            run = Job(captured.payload, args.np, launcher, options).run()
+        except KeyboardInterrupt:
+            record = last_run()
+            logs = (f"; their logs are in {record.log_dir}"
+                    if record is not None and record.status == "interrupted" else "")
+            raise CellInterrupted(f"the cell was interrupted and every rank stopped{logs}") from None
+        if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
+            from .. import show_timeline
+
+            show_timeline(run)
+        value = run.results if args.all_ranks else run.result
+        if args.out:
+            self.shell.user_ns[args.out] = value
+        return value
+
+
+def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --timeline?' for each unrecognised option close to a real one."""
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown is None:
+        return ""
+    options = [option for action in parser._actions for option in action.option_strings]
+    suggestions = [close[0] for word in unknown.group(1).split() if word.startswith("-")
+                   and (close := difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6))]
+    return f"; did you mean {' and '.join(suggestions)}?" if suggestions else ""
+
+
+def show_run_error(shell, etype, evalue, tb, tb_offset=None) -> None:
+    """Show a failed, interrupted or refused run as one message, without the frames of the
+    magic's machinery, which would only bury it.
+
+    A failed rank's traceback is already shown, once, by the run's display (the run view's
+    failure panel, or the text display's lines): the error says only who failed and where
+    every rank's full log is.
+    """
+    if isinstance(evalue, RankFailedError):
+        where = f"rank {evalue.rank} ({evalue.host})" if evalue.host else f"rank {evalue.rank}"
+        shown = (f"{where} failed: {evalue.reason}; its traceback is shown above, and every "
+                 f"rank's full log is in {evalue.run.log_dir}")
+    else:
+        shown = str(evalue)
+    shell._showtraceback(etype, evalue, [f"{etype.__name__}: {shown}"])
+
+
+show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError, CellInterrupted)

@@ -1,0 +1,74 @@
+"""`HorovodRunner`: run a function on N ranks, as Databricks' HorovodRunner does.
+
+    from ddl_magic import HorovodRunner
+
+    def train(lr):
+        import ddl_magic.torch as hvd
+        hvd.init()
+        ...
+        return model.state_dict()
+
+    state = HorovodRunner(np=-2).run(train, lr=0.01)   # np < 0: -np local processes
+    state = HorovodRunner(np=4).run(train, lr=0.01)    # np > 0: 4 Spark barrier tasks
+
+`main`'s return value comes back from rank 0. The `%%horovod` magic uses the same machinery.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .options import make_display
+from ..driver.capture import capture_function
+from ..driver.job import Job, JobOptions, RunResult
+from ..launch import spark_session
+from ..launch.local import LocalLauncher
+from ..driver.tracking import check_setting
+
+
+def make_launcher(spark: bool | None):
+    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active)."""
+    if spark is None:
+        spark = spark_session() is not None
+    if not spark:
+        return LocalLauncher()
+    from ..launch.spark import SparkLauncher
+
+    return SparkLauncher()
+
+
+class HorovodRunner:
+    """Runs a function on `np` ranks: `np < 0` local processes, `np > 0` Spark barrier tasks.
+
+    `driver_log_verbosity="all"` shows every rank's output in the notebook (the default);
+    `"log_callback_only"` shows only failures and the summary. `timeline=PATH` records every
+    rank's timeline to PATH. `use_gpu=True` pins each rank to the GPU of its local_rank
+    (checked before anything starts). `mlflow=True` (or an experiment name) tracks each run
+    in MLflow, `False` never; by default runs are tracked while an MLflow run is active.
+    """
+
+    def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
+                 timeout: float | None = None, env: dict[str, str] | None = None,
+                 use_gpu: bool = False, mlflow: bool | str | None = None):
+        if not isinstance(np, int) or isinstance(np, bool) or np == 0:
+            raise ValueError(
+                f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
+                "processes on this machine, np=4 runs 4 Spark barrier tasks")
+        if driver_log_verbosity not in ("all", "log_callback_only"):
+            raise ValueError("driver_log_verbosity must be 'all' or 'log_callback_only'")
+        check_setting(mlflow)
+        self.num_processor = np
+        self._options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
+                                   hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
+                                   title=f"HorovodRunner(np={np})", mlflow=mlflow)
+        self.last_run: RunResult | None = None
+
+    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+        """Run `main(**kwargs)` on every rank and return rank 0's return value."""
+        if not callable(main):
+            raise TypeError(f"HorovodRunner.run needs a function, got {type(main).__name__}")
+        payload = capture_function(main, kwargs)
+        launcher = make_launcher(spark=self.num_processor > 0)
+        job = Job(payload, abs(self.num_processor), launcher, self._options)
+        self.last_run = job.run()
+        return self.last_run.result

@@ -1,0 +1,332 @@
+"""The body of every rank, local process or Spark task alike.
+
+    connect to the driver's control server and prove the run's secret
+    measure the clock offset to the driver (for the timeline)
+    register (host, ring listener) ──► receive the peer table and the task
+    set torchrun's and Horovod's environment (rank_environment.py), register the `ddl`
+    torch.distributed backend
+    forward stdout/stderr line by line, ship timeline batches
+    run the task ──► send its result, or the traceback
+    exit; and exit at once if the driver aborts the run or goes away
+
+Whether a rank is alive is not this process's to say: whatever owns it (the rank factory, a
+Spark task) tells the driver (`liveness.py`), so a rank busy in native code for minutes,
+holding its GIL, is not mistaken for a stopped one.
+
+A Spark task starts it as ``python -m ddl_magic.rank.worker`` with ``DDL_MAGIC_CONTROL``
+(host:port) and ``DDL_MAGIC_RANK`` in the environment and the secret on the pipe
+``DDL_MAGIC_SECRET_FD``; a local rank is forked by the rank factory, which calls `run_rank`
+with the secret it received on its private pipe. Either way the secret never appears in a
+process listing or a log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import runpy
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import cloudpickle
+
+from ..wire.messages import FailureKind
+from ..wire.messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
+                       TimelineEvents, TimelineStart)
+from ..wire.output_lines import forward_lines
+from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
+from .environment import rank_environment, reserve_port
+from ..runtime import context
+from ..runtime.errors import CollectiveTimeoutError, HorovodInternalError
+from ..runtime.timeline import recorder
+from ..runtime.world import Peer, derive_world
+from ..torch import backend as torch_backend
+from ..torch.group_lifetime import keep_destroyed_groups_alive
+
+CONNECT_TIMEOUT_S = 30.0
+TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
+TIMELINE_SHIP_INTERVAL_S = 0.25
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# The control channel of this process's run. None outside a launched rank.
+control: Channel | None = None
+_shipper: "_TimelineShipper | None" = None
+_leaving = threading.Event()  # set once the rank has finished: losing the driver is expected then
+
+
+def main() -> None:
+    address = os.environ["DDL_MAGIC_CONTROL"]
+    host, port = address.rsplit(":", 1)
+    with os.fdopen(int(os.environ["DDL_MAGIC_SECRET_FD"]), "rb") as pipe:
+        secret = pipe.read()
+    # Set by a Spark task that reads this process's output and relays it to the driver.
+    forwarded = os.environ.pop("DDL_MAGIC_OUTPUT_FORWARDED", "") == "1"
+    code = run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret,
+                    parent_forwards_output=forwarded)
+    # The result is reported: skip the interpreter's slow teardown of torch (seconds under
+    # load), which would only delay the end of the run.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
+             parent_forwards_output: bool = False) -> int:
+    """Run one rank to completion; returns the process exit code.
+
+    `parent_forwards_output`: the process that started this one reads its stdout and stderr
+    and forwards them (the rank factory does), so that what this rank writes reaches the
+    driver even if it dies: this rank then only flushes line by line.
+    """
+    global control
+    channel = Channel.connect(control_address, secret, "control", CONNECT_TIMEOUT_S)
+    control = channel
+    recorder.clock_offset_ns = _clock_offset_ns(channel)
+    listener = socket.socket()
+    advertised_ip = channel.sock.getsockname()[0]  # the address the driver reached us from
+    listener.bind((advertised_ip, 0))
+    listener.listen(64)
+    # Rank 0 keeps a port for torch.distributed's store (MASTER_PORT) until the task starts.
+    store_port = reserve_port() if rank == 0 else None
+    torch_master = (advertised_ip, store_port.getsockname()[1]) if store_port else None
+    channel.send(Register(rank, _host_name(rank), listener.getsockname(), os.getpid(),
+                          torch_master))
+    match channel.recv():
+        case Start(peers, task_bytes, settings, torch_master):
+            peers = [Peer(*p) for p in peers]
+        case Abort():  # the run was stopped before it started, or this rank is not expected
+            return ABORTED_EXIT_CODE
+        case other:
+            raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
+    os.environ.update(settings["env"])
+    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
+    context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
+    torch_backend.register()
+    keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
+    threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
+    if settings["timeline"]:
+        start_timeline_shipping()
+    if store_port is not None:
+        store_port.close()
+    with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
+        exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
+    # A torch.distributed process group the task left open ends with this process, which
+    # exits right after reporting, without running any destructor.
+    stop_timeline_shipping()
+    _leaving.set()
+    channel.send(report)  # the task is done: nothing after this can fail or delay the run
+    if exit_code == 0:
+        context.shutdown()  # after a failure the driver stops everyone; don't wait on peers
+    channel.close()
+    return exit_code
+
+
+def _host_name(rank: int) -> str:
+    """The host this rank registers as: the rendezvous groups ranks into hosts by it.
+
+    `DDL_MAGIC_TEST_HOSTS` ("a,a,b,b": the host of each rank) exists for tests only: it makes
+    one machine look like several hosts, so mixed placements run without a cluster.
+    """
+    simulated = os.environ.get(TEST_HOSTS_VARIABLE)
+    return simulated.split(",")[rank].strip() if simulated else socket.gethostname()
+
+
+def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Finished | Failed]:
+    try:
+        task = cloudpickle.loads(task_bytes)
+        result = task.run()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 0:
+            return 0, Finished(None)
+        return code, Failed(FailureKind.RAISED, f"SystemExit: {exc.code}\n", f"exit code {code}",
+                            code, _driver_time_ns())
+    except BaseException as exc:
+        failed_at_ns = _driver_time_ns()
+        text = _user_traceback(exc)
+        lost_a_peer = (isinstance(exc, HorovodInternalError)
+                       and not isinstance(exc, CollectiveTimeoutError))  # nobody was lost
+        kind = FailureKind.LOST_PEER if lost_a_peer else FailureKind.RAISED
+        reason = (kind.value if lost_a_peer else
+                  "collective timed out" if isinstance(exc, CollectiveTimeoutError) else "exception")
+        return 1, Failed(kind, text, reason, 1, failed_at_ns, getattr(exc, "rank", None))
+    if rank != 0 and not return_all:
+        return 0, Finished(None)
+    try:
+        return 0, Finished(cloudpickle.dumps(result))
+    except Exception as exc:
+        text = (f"the result on rank {rank} ({type(result).__name__}) cannot be pickled: {exc}\n"
+                "Return plain data (numbers, lists, tensors, a state_dict), or end the cell "
+                "with a statement instead of an expression.\n")
+        return 1, Failed(FailureKind.RAISED, text, "unpicklable result", 1, _driver_time_ns())
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without the frames of ddl_magic's own machinery above the user's code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    first_user = next((i for i, f in enumerate(frames) if not _is_machinery(f.filename)), 0)
+    trimmed = traceback.TracebackException.from_exception(exc)
+    trimmed.stack = traceback.StackSummary.from_list(frames[first_user:])
+    return "".join(trimmed.format())
+
+
+def _is_machinery(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_DIR) or filename in ("<frozen runpy>", runpy.__file__)
+
+
+def _driver_time_ns() -> int:
+    """Now, on the driver's monotonic clock (what attribution compares failures by)."""
+    return time.monotonic_ns() + recorder.clock_offset_ns
+
+
+def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
+    """driver clock - our clock, from the probe with the shortest round trip (NTP's rule)."""
+    best_rtt, best_offset = None, 0
+    for _ in range(probes):
+        sent = time.monotonic_ns()
+        channel.send(ClockProbe())
+        driver_ns = channel.recv().driver_ns
+        received = time.monotonic_ns()
+        if best_rtt is None or received - sent < best_rtt:
+            best_rtt, best_offset = received - sent, driver_ns - (sent + received) // 2
+    return best_offset
+
+
+def _obey_driver(channel: Channel) -> None:
+    """Exit at once when the driver aborts the run or disappears: no rank outlives its run."""
+    try:
+        channel.recv()  # the only message a running rank receives is Abort
+    except (OSError, PeerClosedError, EOFError):
+        pass  # the driver went away
+    if not _leaving.is_set():
+        os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
+
+
+class _DriverLink:
+    """The runtime's way to the driver (`runtime.context.DriverLink`): this rank's channel."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+
+    def start_timeline(self, path: str) -> None:
+        self._channel.send(TimelineStart(path))
+        start_timeline_shipping()
+
+    def stop_timeline(self) -> None:
+        stop_timeline_shipping()
+
+
+def start_timeline_shipping() -> None:
+    """Record this rank's timeline and ship it to the driver (idempotent)."""
+    global _shipper
+    if _shipper is None:
+        _shipper = _TimelineShipper(control)
+
+
+def stop_timeline_shipping() -> None:
+    """Stop recording; what was recorded so far still reaches the driver."""
+    global _shipper
+    if _shipper is not None:
+        _shipper.stop()
+        _shipper = None
+
+
+class _TimelineShipper:
+    """Sends the recorder's buffer to the driver in batches, off the training thread."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+        self._stopped = threading.Event()
+        recorder.enabled = True
+        self._thread = threading.Thread(target=self._loop, name="ddl-timeline", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopped.wait(TIMELINE_SHIP_INTERVAL_S):
+            self._ship()
+
+    def _ship(self) -> None:
+        events = recorder.drain()
+        if events:
+            self._channel.send(TimelineEvents(events))
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        recorder.enabled = False
+        self._ship()
+
+
+class _LineBuffered:
+    """Output that the parent forwards: flushed line by line, and a native crash (segfault,
+    abort) writes every thread's Python stack to stderr before the process dies."""
+
+    def __enter__(self) -> "_LineBuffered":
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        faulthandler.enable(all_threads=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        faulthandler.disable()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+class _ForwardedOutput:
+    """Sends everything written to file descriptors 1 and 2 to the driver, line by line
+    (`output_lines.py`), for a rank whose parent does not forward its output.
+
+    Redirecting the descriptors (not just `sys.stdout`) also catches output from C
+    extensions and child processes.
+    """
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+        self._streams = []
+
+    def __enter__(self) -> "_ForwardedOutput":
+        for fd, name, stream in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+            stream.flush()
+            read_end, write_end = os.pipe()
+            saved = os.dup(fd)
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            reader = threading.Thread(target=self._forward, args=(read_end, name),
+                                      name=f"ddl-{name}", daemon=True)
+            reader.start()
+            self._streams.append((fd, saved, reader, stream))
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        # A native crash kills the forwarding threads with the process: its stacks go to the
+        # original stderr instead, which whatever started this rank reads (a Spark task does).
+        self._crash_file = os.fdopen(os.dup(self._streams[1][1]), "w")
+        faulthandler.enable(file=self._crash_file, all_threads=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        faulthandler.disable()
+        self._crash_file.close()
+        for fd, saved, reader, stream in self._streams:
+            stream.flush()
+            os.dup2(saved, fd)  # closes our pipe's last write end: the reader sees EOF
+            os.close(saved)
+            reader.join(timeout=10)
+
+    def _forward(self, read_end: int, stream: str) -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            forward_lines(lambda: pipe.read(65536),
+                          lambda lines: self._channel.send(Output(stream, lines)))
+
+
+if __name__ == "__main__":
+    # Run as the module ddl_magic.rank.worker, not as __main__: one copy of this module's state
+    # (the control channel, the timeline shipper), whoever imports it.
+    from ddl_magic.rank import worker
+
+    worker.main()
