@@ -175,8 +175,25 @@ class ControlServer:
                     self._finished.add(rank)
                     self.events.put(RankFailed(rank, host, FailureKind(kind), text, reason,
                                                exit_code, at_ns, lost_rank))
-                case other:
+                case other if not self._relay_other(rank, other):
                     raise ValueError(f"unexpected message from rank {rank}: {type(other).__name__}")
+
+    def _relay_other(self, rank: int, message: object) -> bool:
+        """Relay a message that only a server of another kind expects (a pool's,
+        `pool.py`); False: it is malformed here."""
+        return False
+
+    def send(self, rank: int, message: object) -> bool:
+        """Send `message` to one connected rank; False if it is not connected (any more)."""
+        with self._lock:
+            channel = self._channels.get(rank)
+        if channel is None:
+            return False
+        try:
+            channel.send(message)
+            return True
+        except OSError:
+            return False
 
     def _relay_task(self, channel: Channel) -> None:
         """What a task relays for its rank: where the ranks run, output lines, then the

@@ -41,7 +41,7 @@ from ..wire.output_lines import forward_lines
 from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from .environment import rank_environment, reserve_port
 from ..runtime import context
-from ..runtime.errors import CollectiveTimeoutError, HorovodInternalError
+from ..runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, HorovodInternalError
 from ..runtime.timeline import recorder
 from ..runtime.world import Peer, derive_world
 from ..torch import backend as torch_backend
@@ -50,7 +50,7 @@ from ..torch.group_lifetime import keep_destroyed_groups_alive
 CONNECT_TIMEOUT_S = 30.0
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddl_magic/
 
 # The control channel of this process's run. None outside a launched rank.
 control: Channel | None = None
@@ -108,6 +108,15 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
     torch_backend.register()
     keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
+    if settings.get("pool"):  # a rank that lives between cells: `cells.py` from here on
+        from .cells import serve_cells
+
+        if store_port is not None:
+            store_port.close()
+        output = _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel)
+        if settings["timeline"]:
+            start_timeline_shipping()
+        return serve_cells(channel, rank, output, run_reporting, _flush_timeline, _driver_time_ns)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
     if settings["timeline"]:
         start_timeline_shipping()
@@ -137,9 +146,14 @@ def _host_name(rank: int) -> str:
 
 
 def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Finished | Failed]:
+    return run_reporting(lambda: cloudpickle.loads(task_bytes).run(), rank, return_all)
+
+
+def run_reporting(call, rank: int, return_all: bool) -> tuple[int, Finished | Failed]:
+    """Call `call()`: the exit code and the report of how it went (its result pickled, where
+    the driver wants it, or its traceback without ddl_magic's own frames)."""
     try:
-        task = cloudpickle.loads(task_bytes)
-        result = task.run()
+        result = call()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
@@ -149,8 +163,8 @@ def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Fini
     except BaseException as exc:
         failed_at_ns = _driver_time_ns()
         text = _user_traceback(exc)
-        lost_a_peer = (isinstance(exc, HorovodInternalError)
-                       and not isinstance(exc, CollectiveTimeoutError))  # nobody was lost
+        lost_a_peer = (isinstance(exc, HorovodInternalError)  # nobody was lost:
+                       and not isinstance(exc, (CollectiveTimeoutError, CollectiveAbortedError)))
         kind = FailureKind.LOST_PEER if lost_a_peer else FailureKind.RAISED
         reason = (kind.value if lost_a_peer else
                   "collective timed out" if isinstance(exc, CollectiveTimeoutError) else "exception")
@@ -228,6 +242,12 @@ def start_timeline_shipping() -> None:
         _shipper = _TimelineShipper(control)
 
 
+def _flush_timeline() -> None:
+    """Ship what the timeline recorded so far now (a pool's cell ended)."""
+    if _shipper is not None:
+        _shipper.ship()
+
+
 def stop_timeline_shipping() -> None:
     """Stop recording; what was recorded so far still reaches the driver."""
     global _shipper
@@ -248,9 +268,9 @@ class _TimelineShipper:
 
     def _loop(self) -> None:
         while not self._stopped.wait(TIMELINE_SHIP_INTERVAL_S):
-            self._ship()
+            self.ship()
 
-    def _ship(self) -> None:
+    def ship(self) -> None:
         events = recorder.drain()
         if events:
             self._channel.send(TimelineEvents(events))
@@ -259,7 +279,7 @@ class _TimelineShipper:
         self._stopped.set()
         self._thread.join()
         recorder.enabled = False
-        self._ship()
+        self.ship()
 
 
 class _LineBuffered:

@@ -177,6 +177,32 @@ def shutdown() -> None:
         runtime.queue.close()
 
 
+def abort(error: BaseException) -> None:
+    """Fail every collective in flight with `error`, from any thread, ending the waits under
+    them at once (a pool's cell was stopped). The rings stay allocated, and unusable, until
+    `shutdown()`: a thread may still be reading their memory."""
+    with _lock:
+        runtimes = [runtime for runtime in (_runtime, *_subsets) if runtime is not None]
+    for runtime in runtimes:
+        runtime.queue.abort(error)
+
+
+def refuse_collectives(error: BaseException | None) -> None:
+    """Refuse every collective with `error` until called with None (a pool cell on some
+    ranks only: the others would never join one)."""
+    with _lock:
+        runtimes = [runtime for runtime in (_runtime, *_subsets) if runtime is not None]
+    for runtime in runtimes:
+        runtime.queue.refusal = error
+
+
+def ring_is_clean() -> bool:
+    """Is a ring formed that the next cell can use: nothing failed, nothing left in flight?"""
+    with _lock:
+        runtimes = [runtime for runtime in (_runtime, *_subsets) if runtime is not None]
+    return _runtime is not None and all(runtime.queue.is_clean for runtime in runtimes)
+
+
 def current(api_name: str) -> Runtime:
     """The initialised runtime, or a clear error naming the API that was called too early."""
     runtime = _runtime

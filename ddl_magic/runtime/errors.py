@@ -24,6 +24,16 @@ class CollectiveTimeoutError(HorovodInternalError):
     """A collective waited `DDL_MAGIC_TIMEOUT` for ranks that are alive but never submitted it."""
 
 
+class CollectiveRefusedError(RuntimeError):
+    """A collective was called where it cannot complete: a pool cell run on some ranks only
+    (`%%horovod --ranks`), where the other ranks never join it."""
+
+
+class CollectiveAbortedError(HorovodInternalError):
+    """The collective was aborted from outside: a pool's cell was stopped (another rank
+    failed, the user interrupted it, it timed out). The message says which."""
+
+
 class NotInitializedError(ValueError):
     """The API was used before `init()`."""
 

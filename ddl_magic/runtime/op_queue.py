@@ -86,6 +86,9 @@ class OpQueue:
         self._cache = RequestCache()
         self._failure: BaseException | None = None
         self._closing = False
+        # Set while a pool runs a cell on some ranks only: every collective is refused, with
+        # this error, since the other ranks would never join it (`rank/cells.py`).
+        self.refusal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ddl-op-queue", daemon=True)
 
     # ---- the user's side --------------------------------------------------------------
@@ -104,6 +107,8 @@ class OpQueue:
         with self._lock:
             if self._failure is not None:
                 raise self._failure
+            if self.refusal is not None:
+                raise self.refusal.with_traceback(None)
             if request.name in self._in_flight:
                 raise ValueError(
                     f"a collective named {request.name!r} is already in flight on this rank: "
@@ -140,6 +145,26 @@ class OpQueue:
     def close(self) -> None:
         """Stop negotiating (after the cycle in progress) and release the transports."""
         raise NotImplementedError
+
+    def abort(self, error: BaseException) -> None:
+        """Fail every collective of this queue with `error` now, from any thread, and end the
+        waits of the transports under it (a pool's cell was stopped). The queue is then
+        unusable: the pool forms a fresh ring, after `close`."""
+        self._fail(error)
+        plane = self._runner.plane
+        for part in ("host_group", "transport", "_transport", "cross"):
+            target = getattr(plane, part, None)
+            if target is not None and part == "host_group":
+                target.abort(str(error))
+            elif target is not None:
+                target.abort()
+        self._wake()
+
+    @property
+    def is_clean(self) -> bool:
+        """Can the next cell's collectives run here: nothing failed, nothing in flight?"""
+        with self._lock:
+            return self._failure is None and not self._in_flight and not self._closing
 
     # ---- what subclasses build on ------------------------------------------------------------
 

@@ -14,6 +14,8 @@ Who sends what:
     rank 0 ──► ranks     CycleToRun, Abort, CollectiveTimedOut
     driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
     factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `launch/rank_factory.py`)
+    driver ──► pool rank FormRing, RunCell, CancelCell, Pull, Probe   (a pool, `rank/cells.py`:
+    pool rank ──► driver CellEnded, Pulled, ProbeReply                 after Start, cell by cell)
 
 A receiver matches on the class (`match message: case Output(stream, lines): ...`); anything
 else is a malformed message, which ends that connection without disturbing the run.
@@ -156,6 +158,89 @@ class TaskExited:
     host: str
     returncode: int | None
     output: str
+
+
+# ---- a pool: ranks that live between cells (`driver/pool.py`, `rank/cells.py`) --------------
+# Every cell has an epoch (1, 2, ...; forming the ring is an epoch of its own): what a rank
+# says about a cell names its epoch, so nothing late from one cell is taken for the next.
+
+
+# A pool rank writes this line to stdout and to stderr once a cell's output is all written,
+# followed by the cell's epoch: the driver knows it has every line of the cell when both came,
+# whichever way its output travels (the rank factory's pipes, a Spark task's relay).
+CELL_END_MARK = "\x1b[ddl_magic cell end]"
+
+
+@dataclass(frozen=True, slots=True)
+class FormRing:
+    """Close whatever ring this rank has and form a fresh one with every rank (the pool's
+    start, and after a cell that left the ring unusable)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunCell:
+    """Run a cell's task in the rank's own namespace. `only_ranks`: the cell runs on these
+    ranks alone, so collectives are refused in it (the others would never join)."""
+
+    epoch: int
+    task: bytes
+    return_all: bool
+    only_ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelCell:
+    """Stop the cell of `epoch` (another rank failed, the user interrupted, it timed out):
+    its collectives end with an error saying `reason`, its code gets KeyboardInterrupt."""
+
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class CellEnded:
+    """The cell of `epoch` ended on this rank: `outcome` is a Finished or a Failed (a Failed
+    with `ABORTED_EXIT_CODE`: it was stopped). `ring_ok`: its ring can run the next cell's
+    collectives (formed, nothing failed, nothing left in flight). `names`: the names cells
+    have assigned in this rank's namespace, which notebook names never overwrite."""
+
+    epoch: int
+    outcome: object  # Finished | Failed
+    ring_ok: bool
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Send back the value of `name` in the rank's namespace."""
+
+    id: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """`value` cloudpickled, or `error` saying why not (missing, cannot be pickled)."""
+
+    id: int
+    value: bytes | None
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """How is the rank? Answered by its control thread, also while a cell runs."""
+
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeReply:
+    id: int
+    rss_bytes: int
+    uptime_s: float
 
 
 # ---- negotiation (rank 0 coordinates the others over TCP) --------------------------------------

@@ -44,13 +44,19 @@ class CellTask:
     namespace: dict[str, Any]
     filename: str = "<%%horovod cell>"
 
-    def run(self) -> Any:
+    def run(self, namespace: dict[str, Any] | None = None) -> Any:
+        """Run in a fresh namespace, or in `namespace` (a pool rank's own, which persists
+        between cells: the captured names are put in it first)."""
         # Registered so that tracebacks quote the cell's own lines.
         linecache.cache[self.filename] = (len(self.source), None, self.source.splitlines(True),
                                           self.filename)
         tree = ast.parse(self.source, filename=self.filename)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        namespace = {"__name__": "__main__", "__builtins__": __builtins__, **self.namespace}
+        if namespace is None:
+            namespace = {}
+        namespace.setdefault("__name__", "__main__")
+        namespace.setdefault("__builtins__", __builtins__)
+        namespace.update(self.namespace)
         exec(compile(tree, self.filename, "exec"), namespace)
         if last is None:
             return None

@@ -79,7 +79,7 @@ import torch
 
 from ... import kernels
 from . import futex
-from ..errors import PeerLostError
+from ..errors import CollectiveAbortedError, PeerLostError
 from .peer_memory import BUFFER_BYTES, CudaIpcMemory, HostMemory, PeerMemory
 from .ring import chunk_bounds
 from ..settings import TRANSPORT_VARIABLE
@@ -225,6 +225,7 @@ class HostGroup:
         self.spin_s = SPIN_S if len(ranks) <= len(os.sched_getaffinity(0)) else 0.0
         self._round = 0
         self._attached_to: int | None = None  # the buffer of the last exchange, if data rode on it
+        self._aborted: str | None = None  # why `abort` ended every wait (a pool's cell was stopped)
 
     @property
     def size(self) -> int:
@@ -385,6 +386,15 @@ class HostGroup:
         most `timeout_s` (and at most one slice: the caller re-checks its neighbours)."""
         futex.wait(self.own.doorbell_address, seen, min(timeout_s, SLEEP_SLICE_S))
 
+    def abort(self, reason: str) -> None:
+        """End every wait of this rank now, from any thread: each raises
+        `CollectiveAbortedError(reason)` within a slice (woken at once where it sleeps). The
+        memory stays mapped until `close`, which a waiter may still be reading."""
+        self._aborted = reason
+        self.own.ring()
+        for neighbour in self.neighbours:
+            futex.wake_all(neighbour.segment.progress_address)
+
     def check_neighbours(self) -> None:
         """Raise `PeerLostError` for a neighbour whose process has ended."""
         for neighbour in self.neighbours:
@@ -512,6 +522,8 @@ class HostGroup:
             futex.wait(segment.progress_address, seen, SLEEP_SLICE_S)
             if segment.progress >= target:
                 return
+            if self._aborted is not None:
+                raise CollectiveAbortedError(self._aborted)
             if _ended(neighbour):
                 raise self._lost(neighbour, "its process ended during a shared-memory collective")
             if time.monotonic() > deadline:

@@ -120,6 +120,17 @@ class RingTransport:
         what = "timed out after %.0f s" % self.op_timeout if isinstance(cause, socket.timeout) else str(cause)
         return PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host, what)
 
+    def abort(self) -> None:
+        """End every send and receive in progress now, from any thread (a pool's cell was
+        stopped): shutting the sockets down wakes whoever is blocked on them; `close` follows."""
+        sockets = [self._right, self._left, *(c.sock for c in self.coordination.values())]
+        for sock in sockets:
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
     def close(self) -> None:
         if self._sender is not None:
             self._sends.put(None)

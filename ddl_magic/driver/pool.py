@@ -1,0 +1,653 @@
+"""Ranks that live between cells: a pool, seen from the driver.
+
+A `Pool` starts N ranks once (through a launcher, as a `Job` does), which form their ring
+once and then run cell after cell, each in its own namespace that persists. A cell is a
+run of its own for the user (its run view, its `RunResult`, `last_run()`), watched by the
+same `_RunWatcher` as a one-shot run; what differs is what happens at its end:
+
+    the cell succeeded        ranks idle, ring kept, namespaces kept
+    a rank raised             the others' cells are stopped (`CancelCell`): their
+    (or interrupt, timeout)   collectives end with an error naming why, KeyboardInterrupt
+                              where their code runs; the ranks stay, with their
+                              namespaces, and form a fresh ring before the next cell
+    a rank was lost           (killed, crashed, its host gone) the pool is broken: the other
+                              ranks are stopped at once, nothing is left running, and the
+                              next cell says so and how to go on (`%horovod restart`)
+
+Why a lost rank breaks the pool instead of restarting it behind the user's back: a rank's
+namespace holds what earlier cells built (a model half trained); fresh ranks would run the
+next cell without it and fail further on, or worse, succeed on a different state. The user
+decides, with one command.
+
+Every message about a cell names its epoch (`wire/messages.py`): what a rank sends late
+about a stopped cell is never taken for the next cell's. Each rank's output for a cell ends
+with a mark on each stream, so that the cell ends after its last line, whichever way the
+lines travelled.
+
+States (`PoolState`): STARTING -> READY <-> RUNNING; READY -> BROKEN (a rank was lost);
+any -> STOPPED. Every wait has a deadline: the ranks' start, a stopped cell's end
+(`STOP_GRACE_S`), a pull, a status probe.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import enum
+import itertools
+import os
+import queue
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from . import job as _job
+from .attribution import describe_exit
+from .control import ControlServer
+from .display import DisplayFactory, text_display
+from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
+                     RankStarted)
+from .job import (REGISTER_TIMEOUT_S, RankFailedError, RunResult, RunTimeoutError, _RunWatcher)
+from .records import RankStatus, new_records
+from .run_folders import prune_run_folders
+from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
+from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.messages import (CELL_END_MARK, CancelCell, CellEnded, Failed, Finished,
+                             FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
+
+# After a cell was stopped, how long its ranks may take to end it. One that has not by then
+# is stuck where no interrupt reaches (native code): the pool is broken, and stopped.
+STOP_GRACE_S = 10.0
+# How long a cell's end waits for the marks that close each rank's output.
+OUTPUT_MARKS_TIMEOUT_S = 2.0
+# How long a lost rank's failure waits for its process's exit status and last words.
+LAST_WORDS_TIMEOUT_S = 3.0
+FORM_RING_TIMEOUT_S = 120.0
+PULL_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 2.0
+_LOST = (FailureKind.VANISHED, FailureKind.UNREACHABLE, FailureKind.DIED)
+
+
+class PoolState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    RUNNING = "running"
+    BROKEN = "broken"
+    STOPPED = "stopped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked; the message says why and what to do."""
+
+
+class PoolBrokenError(PoolError):
+    """A rank of the pool was lost; its other ranks were stopped. `%horovod restart`."""
+
+
+@dataclass
+class RankInfo:
+    """One rank of a pool, as `Pool.status()` shows it."""
+
+    rank: int
+    host: str
+    pid: int | None
+    state: str  # "idle", "running" or "gone"
+    rss_bytes: int | None = None
+    uptime_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CellEndedOn:
+    """A pool rank said a cell ended (`CellEnded`)."""
+
+    rank: int
+    message: CellEnded
+
+
+_active: "Pool | None" = None
+_active_lock = threading.Lock()
+
+
+def active_pool() -> "Pool | None":
+    """The pool of this process that is not stopped (a broken one too), or None."""
+    return _active
+
+
+class Pool:
+    """N ranks that keep their Python state and their ring between cells.
+
+    The front-ends build it (`%horovod start`, `ddl_magic.start`); `launcher` is a
+    `LocalLauncher` or a `SparkLauncher`, `display` makes each cell's display.
+    """
+
+    def __init__(self, np: int, launcher, *, env: dict[str, str] | None = None,
+                 timeline_path: str | None = None, use_gpu: bool = False,
+                 display: DisplayFactory = text_display):
+        if np < 1:
+            raise ValueError(f"a pool needs at least 1 rank (got np={np})")
+        self.np = np
+        self.launcher = launcher
+        self.env = dict(env or {})
+        self.timeline_path = timeline_path
+        self.use_gpu = use_gpu
+        self.display = display
+        self.state = PoolState.STOPPED
+        self.broken_reason = ""
+        self.rank_names: set[str] = set()  # names cells assigned on the ranks: theirs
+        self.hosts: list[str] = [""] * np
+        self.pids: list[int | None] = [None] * np
+        self.cells = 0
+        self.log_dir = ""
+        self._epochs = itertools.count(1)
+        self._ring_ok = True
+        self._events: queue.Queue = queue.Queue()
+        self._server: _PoolServer | None = None
+        self._running_ranks: set[int] = set()
+        self._gone: dict[int, str] = {}  # rank -> how it was lost
+
+    # ---- life ------------------------------------------------------------------------------
+
+    def start(self) -> "Pool":
+        """Start the ranks and form their ring; returns once every rank checked in."""
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise PoolError(_active.already_running())
+            _active = self
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+        atexit.register(self.stop)
+        return self
+
+    def _start(self) -> None:
+        self.launcher.check(self.np)
+        transport = transport_choice(self.env.get(TRANSPORT_VARIABLE,
+                                                  os.environ.get(TRANSPORT_VARIABLE)))
+        peer_timeout_s()
+        if self.use_gpu:
+            self.launcher.check_gpus(self.np)
+        pool_id = "pool-" + time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.pool_id = pool_id
+        self.log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", pool_id)
+        prune_run_folders(os.path.dirname(self.log_dir))
+        os.makedirs(self.log_dir, exist_ok=True)
+        if self.timeline_path == "":
+            self.timeline_path = os.path.join(self.log_dir, "timeline")
+        env = {**self.env, TRANSPORT_VARIABLE: transport}
+        if PEER_TIMEOUT_VARIABLE in os.environ:
+            env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
+        if self.use_gpu:
+            env["DDL_MAGIC_GPU"] = "1"
+        settings = {"env": env, "run_id": pool_id, "timeline": self.timeline_path is not None,
+                    "return_all": False, "pool": True}
+        secret = new_secret()
+        self._events = queue.Queue()
+        self._gone = {}
+        self._ring_ok = True
+        self.state = PoolState.STARTING
+        self._server = _PoolServer(secret, self.np, b"", settings, self._events,
+                                   self.launcher.bind_host, self.launcher.advertised_host)
+        self.launcher.start(self.np, self._server.address, secret, self._events)
+        self._await_ring(0, REGISTER_TIMEOUT_S + FORM_RING_TIMEOUT_S, starting=True)
+        self.state = PoolState.READY
+
+    def stop(self) -> None:
+        """Stop every rank (their state is gone) and release what the pool holds."""
+        atexit.unregister(self.stop)
+        if self._server is not None:
+            self._server.stop_ranks("the pool was stopped")
+        self._release()
+        self.state = PoolState.STOPPED
+
+    def restart(self) -> "Pool":
+        """Fresh ranks with the same options; the old ranks' state is gone."""
+        self.stop()
+        self.rank_names = set()
+        self.broken_reason = ""
+        self.cells = 0
+        return self.start()
+
+    def _release(self) -> None:
+        global _active
+        try:
+            self.launcher.stop()
+        finally:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            with _active_lock:
+                if _active is self:
+                    _active = None
+
+    def __enter__(self) -> "Pool":
+        if self.state is PoolState.STOPPED:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # ---- cells -----------------------------------------------------------------------------
+
+    def run(self, function, *args, **kwargs) -> Any:
+        """Run `function(*args, **kwargs)` on every rank; returns rank 0's value.
+
+        Example::
+
+            with ddl_magic.start(np=2) as pool:
+                pool.run(train, epochs=1)
+        """
+        from .capture import capture_function
+
+        return self.run_cell(capture_function(function, kwargs, args)).result
+
+    def run_cell(self, task: bytes, *, ranks: list[int] | None = None, return_all: bool = False,
+                 timeout_s: float | None = None, title: str = "", quiet: bool = False) -> RunResult:
+        """Run a captured cell (or function) on the pool's ranks (`ranks`: some of them)."""
+        self.check_usable()
+        selected = sorted(set(range(self.np) if ranks is None else ranks))
+        if not selected or not all(0 <= rank < self.np for rank in selected):
+            raise PoolError(f"--ranks {ranks}: this pool has ranks 0 to {self.np - 1}")
+        self._absorb_between_cells()
+        self.check_usable()
+        epoch = next(self._epochs)
+        self.cells += 1
+        cell_dir = os.path.join(self.log_dir, f"cell-{self.cells}")
+        os.makedirs(cell_dir, exist_ok=True)
+        timeline = f"{self.timeline_path}-cell-{self.cells}.json" if self.timeline_path else None
+        record = RunResult(f"{self.pool_id}-cell-{self.cells}", self.np,
+                           f"{self.launcher.where} (pool)", log_dir=cell_dir, timeline_path=timeline)
+        record.ranks = new_records(self.np, cell_dir)
+        _job._last_run = record  # `last_run()` is the last cell
+        display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
+                               title=title or f"pool cell {self.cells}", timeline_path=timeline)
+        watcher = _RunWatcher(record, display, timeline)
+        for rank in range(self.np):
+            if rank in selected:
+                watcher.handle(RankStarted(rank, self.hosts[rank], self.pids[rank]))
+            else:
+                record.ranks[rank].end(RankStatus.DONE, "not in --ranks")
+                watcher._results[rank] = None  # not waited for
+        events = _CellEvents(self, epoch, selected)
+        self._server.begin_cell(epoch, selected)
+        self.state = PoolState.RUNNING
+        self._running_ranks = set(selected)
+        only = tuple(selected) if ranks is not None and len(selected) < self.np else None
+        outcome = "failed"
+        try:
+            display.display()
+            for rank in selected:
+                self._server.send(rank, RunCell(epoch, task, return_all, only))
+            watcher.watch(events, self._server, timeout_s)
+            outcome = "done"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            raise
+        except RunTimeoutError:
+            raise RunTimeoutError(f"the cell ran past its timeout of {timeout_s:g} s and was "
+                                  "stopped on every rank; the ranks stay up, with their state. "
+                                  f"Logs: {cell_dir}") from None
+        finally:
+            if outcome != "done":
+                self._server.abort("the cell was interrupted" if outcome == "interrupted"
+                                   else "the cell timed out" if record.status == "timed out"
+                                   else "the cell failed")
+            self._server.end_cell()
+            try:
+                self._finish_cell(events, watcher, selected)
+            finally:
+                watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+                self._running_ranks = set()
+                self._after_cell()
+        if selected != list(range(self.np)):
+            record.results = [record.results[rank] for rank in selected]
+            record.result = record.results[0]
+        return record
+
+    def _finish_cell(self, events: "_CellEvents", watcher: _RunWatcher, selected: list[int]) -> None:
+        """Wait until every rank of the cell ended it (or was lost), at most `STOP_GRACE_S`."""
+        watcher.drain(events)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while not all(rank in events.ended or rank in self._gone for rank in selected):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stuck = [rank for rank in selected if rank not in events.ended and rank not in self._gone]
+                self._break(f"ranks {stuck} did not stop their cell within {STOP_GRACE_S:g} s "
+                            "of being asked (stuck where no interrupt reaches, e.g. in native "
+                            "code); the pool was stopped")
+                return
+            try:
+                watcher.handle(events.get(timeout=left))
+            except queue.Empty:
+                pass
+        for rank in selected:
+            ended = events.ended.get(rank)
+            if ended is None or not ended.ring_ok:
+                self._ring_ok = False
+
+    def _after_cell(self) -> None:
+        if self._gone:
+            rank, how = sorted(self._gone.items())[0]
+            where = f"rank {rank} ({self.hosts[rank]})" if self.hosts[rank] else f"rank {rank}"
+            self._break(f"{where} was lost ({how}) in cell {self.cells}")
+            return
+        if self.state is PoolState.BROKEN:
+            return
+        self.state = PoolState.READY
+        if not self._ring_ok:
+            try:
+                self._await_ring(next(self._epochs), FORM_RING_TIMEOUT_S)
+            except (PoolError, RankFailedError) as exc:
+                self._break(f"the ranks could not form a fresh ring after cell {self.cells}: {exc}")
+
+    def _await_ring(self, epoch: int, timeout_s: float, starting: bool = False) -> None:
+        """Every rank forms a fresh ring (epoch 0: they do at start, unasked)."""
+        if not starting:
+            for rank in range(self.np):
+                self._server.send(rank, FormRing(epoch))
+        formed: dict[int, CellEnded] = {}
+        lines: dict[int, list[str]] = collections.defaultdict(list)
+        deadline = time.monotonic() + timeout_s
+        while len(formed) < self.np:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.np)) - set(formed))
+                raise PoolError(f"ranks {missing} did not {'start' if starting else 'form a ring'} "
+                                f"within {timeout_s:.0f} s ({self.launcher.where}); their output "
+                                f"is in {self.log_dir}")
+            try:
+                event = self._events.get(timeout=left)
+            except queue.Empty:
+                continue
+            match event:
+                case RankStarted(rank, host, pid):
+                    self.hosts[rank], self.pids[rank] = host, pid
+                case RankOutput(rank, _, text) if CELL_END_MARK not in text:
+                    lines[rank].append(text)
+                    self._log(rank, text)
+                case CellEndedOn(rank, message) if message.epoch == epoch:
+                    if isinstance(message.outcome, Failed):
+                        raise PoolError(f"rank {rank} could not form the ring: "
+                                        f"{message.outcome.reason}\n{message.outcome.traceback}")
+                    formed[rank] = message
+                case ProcessExited(rank, returncode, output):
+                    said = "\n".join(lines[rank][-20:]) or output
+                    raise PoolError(f"rank {rank} ended while the pool was starting "
+                                    f"({describe_exit(returncode)}){':' if said else ''}\n{said}")
+                case RankFailed(rank, _, _, _, reason):
+                    said = "\n".join(lines[rank][-20:])
+                    raise PoolError(f"rank {rank} failed while the pool was starting "
+                                    f"({reason}){':' if said else ''}\n{said}")
+        self._ring_ok = True
+
+    def _absorb_between_cells(self) -> None:
+        """Take in what happened since the last cell: a rank lost while idle breaks the pool."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            match event:
+                case ProcessExited(rank, returncode):
+                    self.note_lost(rank, describe_exit(returncode), exited=True)
+                case RankFailed(rank, _, kind, _, reason) if kind in _LOST:
+                    self.note_lost(rank, reason)
+                case RankOutput(rank, _, text) if CELL_END_MARK not in text:
+                    self._log(rank, text)
+        if self._gone:
+            rank, how = sorted(self._gone.items())[0]
+            self._break(f"rank {rank} ({self.hosts[rank]}) was lost ({how}) while the pool was idle")
+
+    def _break(self, reason: str) -> None:
+        """A rank was lost: stop the others now, and say so at the next cell."""
+        self.broken_reason = reason
+        if self._server is not None:
+            self._server.stop_ranks(f"the pool broke: {reason}")
+        self._release()
+        self.state = PoolState.BROKEN
+
+    def check_usable(self) -> None:
+        if self.state is PoolState.BROKEN:
+            raise PoolBrokenError(
+                f"the pool is broken: {self.broken_reason}. Its other ranks were stopped and "
+                "every rank's state is gone. `%horovod restart` (pool.restart()) starts "
+                f"{self.np} fresh ranks with the same options; `%horovod stop` goes back to "
+                "one-shot cells")
+        if self.state is PoolState.STOPPED:
+            raise PoolError("the pool is stopped: `%horovod start -np N` starts a new one")
+
+    def already_running(self) -> str:
+        return (f"a pool of {self.np} ranks is already {self.state.value} "
+                f"({self.launcher.where}): run cells on it, `%horovod restart` for fresh "
+                "ranks, or `%horovod stop` it before starting another")
+
+    def _log(self, rank: int, text: str) -> None:
+        with open(os.path.join(self.log_dir, f"rank-{rank}.log"), "a", encoding="utf-8") as log:
+            log.write(text + "\n")
+
+    def note_cell_ended(self, rank: int, message: CellEnded) -> None:
+        self.rank_names.update(message.names)
+        if not message.ring_ok:
+            self._ring_ok = False
+
+    def note_lost(self, rank: int, how: str, exited: bool = False) -> None:
+        """`exited`: its process's exit status says how (better than a lost connection)."""
+        if exited or rank not in self._gone:
+            self._gone[rank] = how
+
+    # ---- values and state ------------------------------------------------------------------
+
+    def pull(self, name: str, rank: int = 0, all_ranks: bool = False) -> Any:
+        """The value of `name` on `rank` (or the list of every rank's, `all_ranks`)."""
+        self.check_usable()
+        self._absorb_between_cells()
+        self.check_usable()
+        ranks = list(range(self.np)) if all_ranks else [rank]
+        if not all(0 <= r < self.np for r in ranks):
+            raise PoolError(f"--rank {rank}: this pool has ranks 0 to {self.np - 1}")
+        replies = self._server.ask(ranks, lambda request_id: Pull(request_id, name), PULL_TIMEOUT_S)
+        values = []
+        for r in ranks:
+            reply = replies.get(r)
+            if reply is None:
+                raise PoolError(f"rank {r} did not answer within {PULL_TIMEOUT_S:.0f} s")
+            if reply.error:
+                raise KeyError(reply.error) if "has no name" in reply.error else PoolError(reply.error)
+            values.append(cloudpickle.loads(reply.value))
+        return values if all_ranks else values[0]
+
+    def status(self) -> list[RankInfo]:
+        """Every rank's state (idle, running, gone), host, pid, memory and uptime."""
+        if self.state is PoolState.READY:
+            self._absorb_between_cells()
+        live = [r for r in range(self.np) if r not in self._gone]
+        replies: dict[int, ProbeReply] = {}
+        if self._server is not None and live:
+            replies = self._server.ask(live, Probe, PROBE_TIMEOUT_S)
+        infos = []
+        for rank in range(self.np):
+            gone = rank in self._gone or self.state in (PoolState.BROKEN, PoolState.STOPPED)
+            state = "gone" if gone else "running" if rank in self._running_ranks else "idle"
+            reply = replies.get(rank)
+            infos.append(RankInfo(rank, self.hosts[rank], self.pids[rank], state,
+                                  reply.rss_bytes if reply else None,
+                                  reply.uptime_s if reply else None))
+        return infos
+
+    def __repr__(self) -> str:
+        return f"<ddl_magic pool: {self.np} ranks, {self.state.value}, {self.cells} cells>"
+
+
+class _PoolServer(ControlServer):
+    """The control server of a pool: what ranks say about cells, pulls and probes, and
+    `abort` stops the running cell instead of the ranks."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._cell: tuple[int, list[int]] | None = None
+        self._ids = itertools.count()
+        self._answers: dict[int, queue.Queue] = {}
+
+    def begin_cell(self, epoch: int, ranks: list[int]) -> None:
+        self._cell = (epoch, ranks)
+
+    def end_cell(self) -> None:
+        self._cell = None
+
+    def abort(self, reason: str) -> None:
+        """Stop the running cell on its ranks, once (the ranks stay)."""
+        cell, self._cell = self._cell, None
+        if cell is not None:
+            epoch, ranks = cell
+            for rank in ranks:
+                self.send(rank, CancelCell(epoch, reason))
+
+    def stop_ranks(self, reason: str) -> None:
+        """Every rank exits now."""
+        self._cell = None
+        super().abort(reason)
+
+    def ask(self, ranks: list[int], request, timeout_s: float) -> dict:
+        """Send `request(id)` to each rank and wait for their answers (what came in time)."""
+        answers: queue.Queue = queue.Queue()
+        ids = {}
+        for rank in ranks:
+            request_id = next(self._ids)
+            self._answers[request_id] = answers
+            ids[request_id] = rank
+            self.send(rank, request(request_id))
+        replies = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(replies) < len(ranks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    reply = answers.get(timeout=left)
+                except queue.Empty:
+                    break
+                replies[ids[reply.id]] = reply
+        finally:
+            for request_id in ids:
+                self._answers.pop(request_id, None)
+        return replies
+
+    def _relay_other(self, rank: int, message: object) -> bool:
+        match message:
+            case CellEnded():
+                self.events.put(CellEndedOn(rank, message))
+            case Pulled(request_id) | ProbeReply(request_id):
+                answers = self._answers.get(request_id)
+                if answers is not None:
+                    answers.put(message)
+            case _:
+                return False
+        return True
+
+    def _connection_ended(self, rank: int, timed_out: bool) -> None:
+        self._finished.discard(rank)  # a pool's rank never finishes: its end is a loss
+        super()._connection_ended(rank, timed_out)
+
+
+class _CellEvents:
+    """The pool's event queue as one cell's watcher sees it (`get`, `get_nowait`).
+
+    A rank's `CellEnded` for this cell becomes `RankFinished` or `RankFailed` once the marks
+    that close its output on both streams came (or `OUTPUT_MARKS_TIMEOUT_S` passed), so the
+    cell's last lines are its own; a `CellEnded` for another cell is taken in and dropped. A
+    lost rank's failure waits for its process's exit status (its last words come first).
+    """
+
+    def __init__(self, pool: Pool, epoch: int, ranks: list[int]):
+        self._pool = pool
+        self._source = pool._events
+        self.epoch = epoch
+        self.ended: dict[int, CellEnded] = {}
+        self._marks: dict[int, set[str]] = {rank: set() for rank in ranks}
+        self._held: dict[int, tuple[object, float]] = {}  # rank -> (event, release by)
+        self._ready: collections.deque = collections.deque()
+        self._exited: set[int] = set()
+
+    def get_nowait(self):
+        return self.get(timeout=0)
+
+    def get(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._release_due()
+            if self._ready:
+                return self._ready.popleft()
+            now = time.monotonic()
+            waits = [release_by - now for _, release_by in self._held.values()]
+            if deadline is not None:
+                waits.append(deadline - now)
+            wait = max(0.0, min(waits)) if waits else None
+            try:
+                self._take(self._source.get(timeout=wait) if wait != 0 else self._source.get_nowait())
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline and not self._due():
+                    raise
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        return any(release_by <= now for _, release_by in self._held.values())
+
+    def _release_due(self) -> None:
+        now = time.monotonic()
+        for rank, (event, release_by) in list(self._held.items()):
+            if release_by <= now or (isinstance(event, CellEnded) and len(self._marks[rank]) == 2):
+                del self._held[rank]
+                self._release(rank, event)
+
+    def _release(self, rank: int, event) -> None:
+        if not isinstance(event, CellEnded):
+            self._ready.append(event)
+            return
+        self.ended[rank] = event
+        match event.outcome:
+            case Finished(result):
+                self._ready.append(RankFinished(rank, result))
+            case Failed(kind, text, reason, exit_code, at_ns, lost_rank):
+                self._ready.append(RankFailed(rank, self._pool.hosts[rank], kind, text, reason,
+                                              exit_code, at_ns, lost_rank))
+
+    def _take(self, event) -> None:
+        match event:
+            case RankOutput(rank, stream, text, replace) if CELL_END_MARK in text:
+                before, _, epoch = text.partition(CELL_END_MARK)
+                if before:
+                    self._ready.append(RankOutput(rank, stream, before, replace))
+                if epoch == str(self.epoch) and rank in self._marks:
+                    self._marks[rank].add(stream)
+            case CellEndedOn(rank, message):
+                self._pool.note_cell_ended(rank, message)
+                if message.epoch == self.epoch and rank in self._marks and rank not in self.ended:
+                    self._held[rank] = (message, time.monotonic() + OUTPUT_MARKS_TIMEOUT_S)
+            case RankFailed(rank, _, kind, _, reason) if kind in _LOST:
+                self._pool.note_lost(rank, reason)
+                if rank in self._exited:  # its process's exit came first
+                    self._ready.append(event)
+                else:
+                    self._held[rank] = (event, time.monotonic() + LAST_WORDS_TIMEOUT_S)
+            case ProcessExited(rank, returncode):
+                self._pool.note_lost(rank, describe_exit(returncode), exited=True)
+                self._ready.append(event)
+                self._exited.add(rank)
+                held = self._held.pop(rank, None)
+                if held is not None:
+                    self._release(rank, held[0])
+            case _:
+                self._ready.append(event)
+
