@@ -15,7 +15,7 @@ import builtins
 import inspect
 import symtable
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cloudpickle
 
@@ -33,19 +33,26 @@ class CaptureError(ValueError):
 class CapturedCell:
     payload: bytes
     names: dict[str, str]  # captured name -> its type, for the report line
+    ranks_own: list[str] = field(default_factory=list)  # read, and the pool's ranks' own
 
     def report(self) -> str:
-        """'captured lr (float), Net (class), torch (module) · payload 3.1 KB'"""
+        """'captured lr (float), Net (class), torch (module) · payload 3.1 KB', and in a pool
+        '... · the ranks' own: model, opt · ...'"""
         listed = ", ".join(f"{name} ({kind})" for name, kind in self.names.items()) or "no notebook names"
-        return f"ddl_magic: captured {listed} · payload {format_bytes(len(self.payload))}"
+        own = f" · the ranks' own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
+        return f"ddl_magic: captured {listed}{own} · payload {format_bytes(len(self.payload))}"
 
     @property
     def is_large(self) -> bool:
         return len(self.payload) > LARGE_PAYLOAD_BYTES
 
 
-def capture_cell(source: str, namespace: dict) -> CapturedCell:
+def capture_cell(source: str, namespace: dict, ranks_own: set[str] | frozenset = frozenset(),
+                 filename: str = "<%%horovod cell>") -> CapturedCell:
     """Build the payload for `source`, capturing the names it reads from `namespace`.
+
+    `ranks_own`: names that a pool's ranks assigned in earlier cells; they are the ranks'
+    own, and a notebook name of the same spelling is not sent.
 
     >>> captured = capture_cell("y = x * 2\\ny", {"x": 21})
     >>> captured.names
@@ -55,9 +62,20 @@ def capture_cell(source: str, namespace: dict) -> CapturedCell:
         raise CaptureError(
             "this cell uses IPython syntax (a %magic or !shell line), which cannot run on the "
             "ranks: they run plain Python. Move that line to a cell of its own.")
-    names = {name: namespace[name] for name in names_read(source) if name in namespace}
-    payload = _pickle(CellTask(source, names), names)
-    return CapturedCell(payload, {name: _kind(value) for name, value in names.items()})
+    read = names_read(source)
+    names = {name: namespace[name] for name in read if name in namespace and name not in ranks_own}
+    payload = _pickle(CellTask(source, names, filename), names)
+    return CapturedCell(payload, {name: _kind(value) for name, value in names.items()},
+                        [name for name in read if name in ranks_own])
+
+
+def unknown_names(source: str, namespace: dict) -> list[str]:
+    """The names `source` reads that neither the notebook (`namespace`) nor the cell defines.
+
+    >>> unknown_names("model.train()\\nn = len(data)", {"data": []})
+    ['model']
+    """
+    return [name for name in names_read(source) if name not in namespace and not name.startswith("__")]
 
 
 def capture_function(function, kwargs: dict, args: tuple = ()) -> bytes:

@@ -56,7 +56,7 @@ from .job import (REGISTER_TIMEOUT_S, RankFailedError, RunResult, RunTimeoutErro
 from .records import RankStatus, new_records
 from .run_folders import prune_run_folders
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
-from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.channel import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 from ..wire.messages import (CELL_END_MARK, CancelCell, CellEnded, Failed, Finished,
                              FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
 
@@ -218,7 +218,9 @@ class Pool:
         self.cells = 0
         return self.start()
 
-    def _release(self) -> None:
+    def _release(self, still_active: bool = False) -> None:
+        """Stop the processes and the server. `still_active`: the pool stays this process's
+        (broken), so that the next cell says what happened."""
         global _active
         try:
             self.launcher.stop()
@@ -227,7 +229,7 @@ class Pool:
                 self._server.close()
                 self._server = None
             with _active_lock:
-                if _active is self:
+                if _active is self and not still_active:
                     _active = None
 
     def __enter__(self) -> "Pool":
@@ -414,7 +416,7 @@ class Pool:
         self.broken_reason = reason
         if self._server is not None:
             self._server.stop_ranks(f"the pool broke: {reason}")
-        self._release()
+        self._release(still_active=True)
         self.state = PoolState.BROKEN
 
     def check_usable(self) -> None:
@@ -620,6 +622,11 @@ class _CellEvents:
             case Finished(result):
                 self._ready.append(RankFinished(rank, result))
             case Failed(kind, text, reason, exit_code, at_ns, lost_rank):
+                if exit_code == ABORTED_EXIT_CODE and text.strip():
+                    # stopped: the one line saying how its code ended (the error that ended
+                    # its collective names the failing rank)
+                    last = text.strip().splitlines()[-1]
+                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {last}"))
                 self._ready.append(RankFailed(rank, self._pool.hosts[rank], kind, text, reason,
                                               exit_code, at_ns, lost_rank))
 

@@ -7,13 +7,15 @@ import difflib
 import re
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .options import make_display, shows_run_view
-from ..driver.capture import CaptureError, capture_cell, format_bytes
+from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
 from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
+from ..driver.pool import PoolError, active_pool
 from .ddlrun import parse_env
+from .pool_magic import run_cell_on_pool, run_line, transform_body
 from .runner import make_launcher
 
 
@@ -35,8 +37,11 @@ class CellInterrupted(KeyboardInterrupt):
 @magics_class
 class HorovodMagics(Magics):
     @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
-    @argument("-np", "--num-proc", dest="np", type=int, required=True,
-              help="number of ranks to run the cell on")
+    @argument("-np", "--num-proc", dest="np", type=int,
+              help="number of ranks to run the cell on (not needed while a pool runs)")
+    @argument("--ranks", metavar="R,R",
+              help="in a pool: run the cell on these ranks only (inspection, printing, "
+                   "saving); collectives are refused in such a cell")
     @argument("--spark", action="store_true",
               help="run as Spark barrier tasks on the active SparkSession")
     @argument("--local", action="store_true",
@@ -61,8 +66,8 @@ class HorovodMagics(Magics):
               help="track the run in MLflow (in EXPERIMENT, if named): every rank logs into "
                    "it. Runs are tracked anyway while the notebook has an active MLflow run, "
                    "unless DDL_MAGIC_MLFLOW=off")
-    @cell_magic
-    def horovod(self, line: str, cell: str):
+    @line_cell_magic
+    def horovod(self, line: str, cell: str | None = None):
         """Run this cell on N ranks with ddl_magic's ring-allreduce runtime.
 
         Example::
@@ -79,12 +84,47 @@ class HorovodMagics(Magics):
         Ranks are Spark barrier tasks when a SparkSession is active, else local processes.
         Every rank's output is shown live, separately. If a rank fails, its traceback is
         shown and every other rank is stopped; the stop button stops all ranks.
+
+        Ranks that live between cells (a pool)::
+
+            %horovod start -np 2        # start 2 ranks; their ring forms once
+            %%horovod                   # each cell runs on them, in each rank's namespace:
+            model = build()             #   what a cell assigns is there for the next cell
+            %%horovod
+            train(model, epochs=1)      # notebook names it reads are sent each cell, but
+                                        #   never over a name the ranks assigned
+            %horovod pull model [--rank R | --all-ranks] [-o NAME]   # into the notebook
+            %%horovod --ranks 0         # some ranks only (no collectives in such a cell)
+            %horovod status             # each rank: state, host, pid, memory, uptime
+            %horovod auto  /  %horovod auto off   # every following cell runs on the ranks
+            %horovod restart            # fresh ranks, same options: their state is gone
+            %horovod stop               # back to one-shot cells
+
+        `%horovod start -np N [--spark | --local] [--timeline [PATH]] [--env KEY=VALUE ...]
+        [--gpu]`: the options are the pool's, for every cell. In a pool, a failing rank's
+        traceback is shown and the other ranks' cells are stopped (their collectives end
+        with an error naming it), the stop button interrupts every rank's cell, and
+        `--timeout` stops the cell: the ranks stay up with their state, and the next cell
+        runs on a fresh ring. A rank that dies (killed, crashed, its host gone) breaks the
+        pool: the other ranks are stopped, and `%horovod restart` starts fresh ones. The
+        same from Python: `pool = ddl_magic.start(np=2)`, `pool.run(fn, *args)`,
+        `pool.pull(name)`, `pool.restart()`, `pool.stop()`, or `with ddl_magic.start(np=2)`.
         """
+        if cell is None:
+            return run_line(self.shell, line, HorovodUsageError)
         try:
             args = parse_argstring(self.horovod, line)
         except UsageError as exc:
             raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
                                     "See %%horovod? for every option.") from None
+        pool = active_pool()
+        if pool is not None:
+            return self._on_pool(pool, args, line, cell)
+        if args.np is None:
+            raise HorovodUsageError("-np is needed (no pool is running): e.g. %%horovod -np 2, "
+                                    "or %horovod start -np 2 for ranks that stay between cells")
+        if args.ranks is not None:
+            raise HorovodUsageError("--ranks needs a pool: %horovod start -np N first")
         if args.np < 1:
             raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
         if args.spark and args.local:
@@ -97,7 +137,9 @@ class HorovodMagics(Magics):
             raise HorovodUsageError(str(exc)) from None
         # The leading newline stands for the %%horovod line, so tracebacks from the ranks
         # give line numbers as the notebook shows them.
-        captured = capture_cell("\n" + self.shell.transform_cell(cell), self.shell.user_ns)
+        source = "\n" + transform_body(self.shell, cell)
+        _refuse_unknown_names(source, self.shell.user_ns)
+        captured = capture_cell(source, self.shell.user_ns)
         if not args.quiet:
             print(captured.report())
         if captured.is_large:
@@ -122,6 +164,34 @@ class HorovodMagics(Magics):
         if args.out:
             self.shell.user_ns[args.out] = value
         return value
+
+    def _on_pool(self, pool, args, line: str, cell: str):
+        if args.out is not None and not args.out.isidentifier():
+            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
+        try:
+            run = run_cell_on_pool(self.shell, pool, args, line, cell, HorovodUsageError)
+        except KeyboardInterrupt:
+            raise CellInterrupted("the cell was interrupted on every rank; the ranks stay up, "
+                                  "with their state") from None
+        value = run.results if args.all_ranks else run.result
+        if args.out:
+            self.shell.user_ns[args.out] = value
+        return value
+
+
+def _refuse_unknown_names(source: str, namespace: dict) -> None:
+    """A one-shot cell that reads names defined nowhere would fail on every rank with
+    NameError: say so before starting any, and how to keep names between cells."""
+    missing = unknown_names(source, namespace)
+    if not missing:
+        return
+    listed = ", ".join(missing)
+    raise CaptureError(
+        f"the cell reads {listed}, defined neither in the notebook nor in the cell, so every "
+        "rank would fail with NameError. Names assigned in earlier %%horovod cells lived on "
+        "that cell's ranks, which are gone: a one-shot cell starts fresh ranks. "
+        "%horovod start -np N starts ranks that keep their names between cells; or define "
+        f"{listed} in this cell, or return it from the cell (-o NAME) to send it back in")
 
 
 def _did_you_mean(message: str, parser: argparse.ArgumentParser) -> str:
@@ -152,4 +222,5 @@ def show_run_error(shell, etype, evalue, tb, tb_offset=None) -> None:
     shell._showtraceback(etype, evalue, [f"{etype.__name__}: {shown}"])
 
 
-show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError, CellInterrupted)
+show_run_error.handles = (RankFailedError, CaptureError, HorovodUsageError, RunTimeoutError, CellInterrupted,
+                          PoolError)

@@ -195,8 +195,11 @@ class _CellLoop:
             self._running = None  # first: from here on, SIGINT changes nothing
             self._ended.set()
             context.refuse_collectives(None)
-        if self._stop_reason is not None:
-            outcome = self._stopped(self._stop_reason)
+        if self._stop_reason is not None:  # what it raised, if anything, was our doing
+            raised = outcome.traceback if isinstance(outcome, Failed) else ""
+            outcome = self._stopped(self._stop_reason, raised)
+        elif outcome is None:
+            outcome = self._stopped("interrupted")
         self._end(cell.epoch, outcome)
 
     def _call(self, task_bytes: bytes):
@@ -214,8 +217,8 @@ class _CellLoop:
             self.owned = {name for name in self.owned | changed | _assigned(task.source)
                           if name in self.namespace and not name.startswith("__")}
 
-    def _stopped(self, reason: str) -> Failed:
-        return Failed(FailureKind.RAISED, "", f"stopped: {reason}", ABORTED_EXIT_CODE,
+    def _stopped(self, reason: str, traceback: str = "") -> Failed:
+        return Failed(FailureKind.RAISED, traceback, f"stopped: {reason}", ABORTED_EXIT_CODE,
                       self._driver_time_ns())
 
     def _end(self, epoch: int, outcome) -> None:

@@ -1,0 +1,227 @@
+"""A pool from the notebook: `%horovod start|stop|status|restart|pull|auto` and
+`ddl_magic.start()`, thin glue over `driver/pool.Pool`.
+
+    %horovod start -np 2              ranks that keep their state and ring between cells
+    %%horovod                         a cell on them (`magic.py` sends it here)
+    %horovod pull model --rank 1      a rank's value, into the notebook
+    %horovod status | restart | stop
+    %horovod auto  /  %horovod auto off   every following cell runs on the ranks
+
+or, in a script::
+
+    with ddl_magic.start(np=2) as pool:
+        pool.run(train, epochs=1)
+        model = pool.pull("model")
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+
+from ..driver.capture import capture_cell
+from ..driver.pool import Pool, PoolError, RankInfo, active_pool
+from ..driver.text_display import TextDisplay
+from .ddlrun import parse_env
+from .options import make_display
+from .runner import make_launcher
+
+
+def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
+          timeline: str | None = None, use_gpu: bool = False, quiet: bool = False) -> Pool:
+    """Start `np` ranks that live between cells (Spark barrier tasks where `spark`, or where
+    a SparkSession is active and `spark` is None; else local processes).
+
+    Example::
+
+        pool = ddl_magic.start(np=2)
+        pool.run(build_model)            # every rank runs it; rank 0's value comes back
+        pool.pull("model", rank=1)
+        pool.stop()                      # or: with ddl_magic.start(np=2) as pool: ...
+
+    `timeline=""` records every cell's timeline in the pool's log folder (a path: there).
+    """
+    display = _quiet_display if quiet else make_display
+    return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
+                display=display).start()
+
+
+def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
+    return TextDisplay(ranks, log_dir=log_dir, quiet=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="%horovod", add_help=False, exit_on_error=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    started = commands.add_parser("start", add_help=False, exit_on_error=False)
+    started.add_argument("-np", "--num-proc", dest="np", type=int, required=True)
+    started.add_argument("--spark", action="store_true")
+    started.add_argument("--local", action="store_true")
+    started.add_argument("--timeline", nargs="?", const="", metavar="PATH")
+    started.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    started.add_argument("--gpu", action="store_true")
+    for name in ("stop", "status", "restart"):
+        commands.add_parser(name, add_help=False, exit_on_error=False)
+    pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
+    pulled.add_argument("name")
+    which = pulled.add_mutually_exclusive_group()
+    which.add_argument("--rank", type=int, default=0)
+    which.add_argument("--all-ranks", action="store_true")
+    pulled.add_argument("-o", "--out", metavar="NAME")
+    auto = commands.add_parser("auto", add_help=False, exit_on_error=False)
+    auto.add_argument("switch", nargs="?", choices=["on", "off"], default="on")
+    return parser
+
+
+LINE_USAGE = ("%horovod start -np N [--spark | --local] [--timeline [PATH]] [--env KEY=VALUE ...] "
+              "[--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
+              "· %horovod restart · %horovod stop · %horovod auto [off]")
+
+
+def run_line(shell, line: str, usage_error):
+    """`%horovod <command>`: what the line magic does. `usage_error` is the magic's error type."""
+    try:
+        args = _parser().parse_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit, ValueError) as exc:
+        raise usage_error(f"{exc}. Usage: {LINE_USAGE}") from None
+    pool = active_pool()
+    match args.command:
+        case "start":
+            return _start(shell, args, usage_error)
+        case "stop":
+            set_auto(shell, False)
+            if pool is None:
+                print("ddl_magic: no pool is running")
+                return None
+            pool.stop()
+            print(f"ddl_magic: the pool's {pool.np} ranks were stopped; %%horovod -np N runs "
+                  "one-shot cells again")
+        case "restart":
+            pool = _the_pool(pool)
+            began = time.monotonic()
+            pool.restart()
+            print(f"ddl_magic: {pool.np} fresh ranks in {time.monotonic() - began:.1f} s; the "
+                  "previous ranks' state (every name cells assigned on them) is gone")
+            print(status_table(pool.status()))
+        case "status":
+            pool = active_pool()
+            if pool is None:
+                print("ddl_magic: no pool is running; %horovod start -np N starts one")
+                return None
+            print(f"ddl_magic: pool of {pool.np} ranks, {pool.state.value}, {pool.cells} cells run"
+                  + (f": {pool.broken_reason}" if pool.broken_reason else ""))
+            print(status_table(pool.status()))
+        case "pull":
+            value = _the_pool(pool).pull(args.name, args.rank, args.all_ranks)
+            if args.out:
+                shell.user_ns[args.out] = value
+                return None
+            return value
+        case "auto":
+            _the_pool(pool) if args.switch == "on" else None
+            set_auto(shell, args.switch == "on")
+            print("ddl_magic: every following cell runs on the pool's ranks, until "
+                  "%horovod auto off" if args.switch == "on" else
+                  "ddl_magic: cells run in the notebook again")
+    return None
+
+
+def _the_pool(pool: Pool | None) -> Pool:
+    if pool is None:
+        raise PoolError("no pool is running: %horovod start -np N starts one")
+    return pool
+
+
+def _start(shell, args, usage_error) -> None:
+    if args.np < 1:
+        raise usage_error(f"-np must be at least 1 (got {args.np}); e.g. %horovod start -np 2")
+    if args.spark and args.local:
+        raise usage_error("choose one of --spark and --local")
+    try:
+        env = parse_env(args.env)
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
+    running = active_pool()
+    if running is not None:
+        raise PoolError(running.already_running())
+    began = time.monotonic()
+    pool = start(args.np, spark=True if args.spark else (False if args.local else None),
+                 env=env, timeline=args.timeline, use_gpu=args.gpu)
+    print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
+          f"({pool.launcher.where}); %%horovod cells now run on them, and what a cell assigns "
+          "stays for the next. %horovod stop ends them")
+    print(status_table(pool.status()))
+
+
+def status_table(infos: list[RankInfo]) -> str:
+    """A plain table of the pool's ranks: rank, host, pid, state, memory, uptime."""
+    rows = [("rank", "host", "pid", "state", "memory", "uptime")]
+    for info in infos:
+        rows.append((str(info.rank), info.host or "?", str(info.pid or "?"), info.state,
+                     f"{info.rss_bytes / 2**20:.0f} MB" if info.rss_bytes else "-",
+                     f"{info.uptime_s:.0f} s" if info.uptime_s is not None else "-"))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str, usage_error):
+    """`%%horovod` while a pool runs: the cell on its ranks, in their own namespaces."""
+    if args.np is not None and args.np != pool.np:
+        raise usage_error(
+            f"-np {args.np}, but a pool of {pool.np} ranks is running: drop -np to run the cell "
+            f"on the pool (or write -np {pool.np}); for {args.np} ranks, %horovod stop the pool "
+            f"first (its state is lost), then %horovod start -np {args.np}, or run one-shot cells")
+    for option, given in (("--spark", args.spark), ("--local", args.local), ("--env", args.env),
+                          ("--gpu", args.gpu), ("--timeline", args.timeline is not None),
+                          ("--mlflow", args.mlflow is not None)):
+        if given:
+            raise usage_error(f"{option} is chosen when the pool starts (%horovod start ... "
+                              f"{option}), not per cell; %horovod restart keeps the pool's options")
+    ranks = None
+    if args.ranks is not None:
+        try:
+            ranks = sorted({int(rank) for rank in args.ranks.split(",") if rank.strip()})
+        except ValueError:
+            raise usage_error(f"--ranks {args.ranks!r}: expected rank numbers, e.g. --ranks 0,1") from None
+    pool.check_usable()
+    captured = capture_cell("\n" + transform_body(shell, cell), shell.user_ns, pool.rank_names,
+                            filename=f"<%%horovod cell {pool.cells + 1}>")
+    if not args.quiet:
+        print(captured.report())
+    return pool.run_cell(captured.payload, ranks=ranks, return_all=args.all_ranks,
+                         timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "),
+                         quiet=args.quiet)
+
+
+# ---- auto mode: every cell to the ranks (ipyparallel's %autopx) ------------------------------
+
+def _to_the_ranks(lines: list[str]) -> list[str]:
+    """An input transformer: a cell becomes a %%horovod cell, unless it is a %horovod or
+    %%horovod cell itself (so that `%horovod auto off` works) or empty."""
+    first = next((line.strip() for line in lines if line.strip()), "")
+    if not first or first.startswith(("%horovod", "%%horovod")):
+        return lines
+    return ["%%horovod\n", *lines]
+
+
+def transform_body(shell, cell: str) -> str:
+    """The cell's body as IPython transforms it, without auto mode's own transformer (which
+    would make the body a %%horovod cell again)."""
+    transforms = shell.input_transformers_cleanup
+    if _to_the_ranks not in transforms:
+        return shell.transform_cell(cell)
+    transforms.remove(_to_the_ranks)
+    try:
+        return shell.transform_cell(cell)
+    finally:
+        transforms.append(_to_the_ranks)
+
+
+def set_auto(shell, on: bool) -> None:
+    transforms = shell.input_transformers_cleanup
+    if _to_the_ranks in transforms:
+        transforms.remove(_to_the_ranks)
+    if on:
+        transforms.append(_to_the_ranks)
