@@ -173,8 +173,8 @@ def test_a_model_saves_to_a_folder_the_driver_reads_and_loads_as_its_own_class(t
     model.save(f"file://{tmp_path}/model")  # as Spark names a pipeline's stage folders
     loaded = TorchModel.load(str(tmp_path / "model"))
     assert loaded.getFeatureCols() == ["x"] and loaded.history == [{"loss": 1.0}]
-    with pytest.raises(ValueError, match="holds a ddl_magic.spark.estimator.TorchModel, not a "
-                                         "ddl_magic.spark.estimator.TorchEstimator"):
+    with pytest.raises(ValueError, match="holds a ddl_magic.estimator.TorchModel, not a "
+                                         "ddl_magic.estimator.TorchEstimator"):
         TorchEstimator.load(str(tmp_path / "model"))
     with pytest.raises(FileNotFoundError, match="holds no saved TorchModel"):
         TorchModel.load(str(tmp_path))
