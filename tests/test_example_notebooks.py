@@ -80,6 +80,7 @@ import ddl_magic
 run = ddl_magic.last_run()
 {"spark": spark_accuracy, "torch": torch_accuracy, "shards": shard_sizes,
  "checkpoint": os.path.exists(CHECKPOINT), "run": [run.status, run.np, run.where],
+ "pool": [accuracy_after_30, pool_accuracy, pool_epochs, type(pooled_model).__name__],
  "pipelines": pipeline_accuracy, "epochs": len(history),
  "mlflow": [logged.info.status, len(accuracy_per_epoch), logged.data.params["ddl_magic.np"],
             logged.data.tags.get("mlflow.parentRunId") == lab_run.info.run_id]}
@@ -94,6 +95,10 @@ run = ddl_magic.last_run()
     assert report["shards"] == [53, 52]  # rank 0's copy of every rank's shard size
     assert report["checkpoint"]
     assert report["run"][:2] == ["done", 2]
+    # Part 3½: one pool, train -> evaluate -> train more, the model kept on the ranks.
+    after_30, after_150, epochs, pulled = report["pool"]
+    assert epochs == 150 and after_150 >= 0.9 and pulled == "Sequential"
+    assert 0 <= after_30 <= 1
     # Part 5: the fit, tracked as a child of the lab's MLflow run, read back.
     assert report["mlflow"] == ["FINISHED", 150, "2", True]
     text = printed_text(notebook)

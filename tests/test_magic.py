@@ -11,7 +11,7 @@ def run_line(line: str) -> None:
 
 def test_the_help_opens_with_the_cell_magics_own_usage_line():
     usage = HorovodMagics.horovod.__doc__.split("\n\n")[1].strip()
-    assert usage.startswith("%%horovod -np NP ") and "[--timeline [PATH]]" in usage
+    assert usage.startswith("%%horovod [-np NP] ") and "[--timeline [PATH]]" in usage
 
 
 @pytest.mark.parametrize("line, suggestion", [

@@ -263,6 +263,8 @@ class Pool:
             raise PoolError(f"--ranks {ranks}: this pool has ranks 0 to {self.np - 1}")
         self._absorb_between_cells()
         self.check_usable()
+        if not self._ring_ok:  # the fresh ring after a stopped cell was itself interrupted
+            self._await_ring(next(self._epochs), FORM_RING_TIMEOUT_S)
         epoch = next(self._epochs)
         self.cells += 1
         cell_dir = os.path.join(self.log_dir, f"cell-{self.cells}")

@@ -1,0 +1,188 @@
+"""A pool's cells against one-shot cells, in a real IPython kernel, as a notebook user waits.
+
+    python benchmarks/pool.py            # 200 cells of each kind, 60 s of idle (~3 minutes)
+    python benchmarks/pool.py --quick    # 40 cells, 10 s of idle (~1 minute)
+
+Measured on 2 local ranks, timed from the client (execute sent -> kernel idle again), so each
+number is what the user waits for in the notebook, the kernel's own messaging included:
+
+1. a trivial cell on a pool (`%horovod start -np 2`): rank, size and one small allreduce;
+2. the same cell one-shot (`%%horovod -np 2`): fresh ranks forked from the warm factory;
+3. `%horovod start -np 2` with the factory warm (stopped and started again each time);
+4. the ranks' CPU while the pool is idle, as % of one core per rank (from /proc);
+5. the ranks' file descriptors, threads and resident memory before and after the cells.
+
+Targets (issue 28): pool cell median <= 8 ms and p90 <= 15 ms; start <= 1 s; idle <= 1 % of a
+core per rank; descriptors, threads and memory flat. Prints a table, writes
+``benchmarks/results/pool.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import statistics
+import time
+
+from jupyter_client.manager import start_new_kernel
+
+from common import print_table, warn_if_busy, write_results
+
+NP = 2
+TRIVIAL = ("hvd.rank(), hvd.size(), "
+           "hvd.allreduce(torch.ones(1), op=hvd.Sum, name='trivial').item()")
+SETUP = "import torch\nimport ddl_magic.torch as hvd\nhvd.init()\n"
+TARGETS = {"pool_median_ms": 8.0, "pool_p90_ms": 15.0, "start_s": 1.0, "idle_core_percent": 1.0}
+
+
+class _Kernel:
+    def __init__(self):
+        env = {**os.environ, "DDL_MAGIC_DISPLAY": "text"}
+        env.pop("PYTEST_CURRENT_TEST", None)
+        self.manager, self.client = start_new_kernel(kernel_name="python3", env=env)
+
+    def run(self, code: str, timeout: float = 300) -> tuple[float, str, str | None]:
+        """(seconds from sending to idle, the cell's stream output, its error if any)"""
+        began = time.perf_counter()
+        msg_id = self.client.execute(code)
+        text, error = [], None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                message = self.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"cell did not finish in {timeout} s: {code[:60]!r}") from None
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                text.append(content["text"])
+            elif kind == "error":
+                error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status" and content["execution_state"] == "idle":
+                return time.perf_counter() - began, "".join(text), error
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
+def _checked(kernel: _Kernel, code: str) -> tuple[float, str]:
+    seconds, text, error = kernel.run(code)
+    if error:
+        raise RuntimeError(f"{code[:60]!r} failed: {error}\n{text}")
+    return seconds, text
+
+
+def _percentiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {"median_ms": statistics.median(ordered) * 1e3,
+            "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] * 1e3,
+            "min_ms": ordered[0] * 1e3, "count": len(ordered)}
+
+
+def _pids(status_text: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"^\d+\s+\S+\s+(\d+)\s+\w+", status_text, re.M)]
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def _footprint(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/statm") as statm:
+        resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": len(os.listdir(f"/proc/{pid}/task")), "rss_mb": resident // 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cells, 10 s of idle")
+    parser.add_argument("--cells", type=int, help="cells of each kind (default 200, --quick 40)")
+    parser.add_argument("--idle", type=float, help="seconds of idle measured (default 60, --quick 10)")
+    args = parser.parse_args()
+    cells = args.cells or (40 if args.quick else 200)
+    idle_s = args.idle or (10.0 if args.quick else 60.0)
+    warn_if_busy()
+    kernel = _Kernel()
+    try:
+        _checked(kernel, "%load_ext ddl_magic\nimport torch")
+        one_shot_cell = f"%%horovod -np {NP} --quiet\n{SETUP}{TRIVIAL}"
+        _checked(kernel, one_shot_cell)  # the factory is warm from here on
+        starts = []
+        for _ in range(3):
+            seconds, text = _checked(kernel, f"%horovod start -np {NP}")
+            starts.append(seconds)
+            _checked(kernel, "%horovod stop")
+        _, text = _checked(kernel, f"%horovod start -np {NP}")
+        pids = _pids(text)
+        pool_cell = f"%%horovod --quiet\n{TRIVIAL}"
+        _checked(kernel, f"%%horovod --quiet\n{SETUP}")
+        for _ in range(10):  # warm-up: first allreduce, caches
+            _checked(kernel, pool_cell)
+        pool_times, one_shot_times = [], []
+        one_shot_every = max(1, cells // 40)  # a one-shot cell costs ~100 ms: fewer of them
+        for index in range(cells):
+            pool_times.append(_checked(kernel, pool_cell)[0])
+            if index % one_shot_every == 0:
+                kernel.run("%horovod stop")
+                one_shot_times.append(_checked(kernel, one_shot_cell)[0])
+                _, text = _checked(kernel, f"%horovod start -np {NP}")
+                pids = _pids(text)
+                _checked(kernel, f"%%horovod --quiet\n{SETUP}")
+                _checked(kernel, pool_cell)
+        # one pool for the footprint: all its cells, then idle
+        _checked(kernel, "%horovod stop")
+        _, text = _checked(kernel, f"%horovod start -np {NP}")
+        pids = _pids(text)
+        _checked(kernel, f"%%horovod --quiet\n{SETUP}")
+        _checked(kernel, pool_cell)
+        before = [_footprint(pid) for pid in pids]
+        for _ in range(cells):
+            _checked(kernel, pool_cell)
+        after = [_footprint(pid) for pid in pids]
+        ticks = [_cpu_ticks(pid) for pid in pids]
+        began = time.monotonic()
+        time.sleep(idle_s)  # the measurement itself: the pool does nothing meanwhile
+        elapsed = time.monotonic() - began
+        idle = [(_cpu_ticks(pid) - t) / os.sysconf("SC_CLK_TCK") / elapsed * 100
+                for pid, t in zip(pids, ticks)]
+        _checked(kernel, "%horovod stop")
+    finally:
+        kernel.close()
+    pool_stats, one_shot_stats = _percentiles(pool_times), _percentiles(one_shot_times)
+    start_median = statistics.median(starts)
+    rows = [
+        ["trivial cell, pool", f"{pool_stats['median_ms']:.1f} ms", f"{pool_stats['p90_ms']:.1f} ms",
+         f"<= {TARGETS['pool_median_ms']:g} / {TARGETS['pool_p90_ms']:g} ms"],
+        ["trivial cell, one-shot", f"{one_shot_stats['median_ms']:.1f} ms",
+         f"{one_shot_stats['p90_ms']:.1f} ms", "(as today)"],
+        ["%horovod start -np 2 (warm)", f"{start_median:.2f} s", f"{max(starts):.2f} s",
+         f"<= {TARGETS['start_s']:g} s"],
+        [f"idle pool, {elapsed:.0f} s, per rank", f"{max(idle):.2f} % core", "",
+         f"<= {TARGETS['idle_core_percent']:g} %"],
+    ]
+    for rank, (b, a) in enumerate(zip(before, after)):
+        rows.append([f"rank {rank} after {cells} cells", f"fds {b['fds']}->{a['fds']}",
+                     f"threads {b['threads']}->{a['threads']}",
+                     f"rss {b['rss_mb']}->{a['rss_mb']} MB"])
+    print_table(f"pool vs one-shot, {NP} local ranks, real kernel", ["measure", "median", "p90/max", "target"],
+                rows)
+    path = write_results("pool", {
+        "np": NP, "cells": cells, "pool_cell": pool_stats, "one_shot_cell": one_shot_stats,
+        "start_s": starts, "idle_seconds": elapsed, "idle_core_percent_per_rank": idle,
+        "footprint_before": before, "footprint_after": after, "targets": TARGETS,
+        "met": {"pool_median": pool_stats["median_ms"] <= TARGETS["pool_median_ms"],
+                "pool_p90": pool_stats["p90_ms"] <= TARGETS["pool_p90_ms"],
+                "start": start_median <= TARGETS["start_s"],
+                "idle": max(idle) <= TARGETS["idle_core_percent"]}})
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()
