@@ -291,3 +291,50 @@ def test_signals_are_only_for_the_pools_own_processes():
 
     with ddl_magic.start(np=1, quiet=True) as pool:
         assert os.getpgid(pool.pids[0]) == pool.pids[0] != os.getpgid(0)
+
+
+START_SPARK = """
+import os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.{master}.config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+"""
+ACTIVE_SPARK_JOBS = ("from pyspark import SparkContext\n"
+                     "SparkContext._active_spark_context.statusTracker().getActiveJobsIds()")
+
+
+@pytest.mark.parametrize("master", ['master("local[4]")', 'remote("local[4]")'],
+                         ids=["classic", "connect"])
+def test_a_pool_on_spark_is_one_stage_that_keeps_state_and_releases_its_slots(master):
+    import shutil
+
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Spark needs Java")
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "SPARK_LOCAL_IP": "127.0.0.1"})
+    try:
+        _cell(kernel, "%load_ext ddl_magic\nimport torch")
+        _cell(kernel, START_SPARK.format(master=master), timeout=180)
+        started = _cell(kernel, "%horovod start -np 2", timeout=180)
+        assert "Spark barrier tasks" in started.stdout
+        pids = [int(pid) for pid in re.findall(r"^\d+\s+\S+\s+(\d+)\s+idle", started.stdout, re.M)]
+        assert len(pids) == 2
+        jobs = _cell(kernel, ACTIVE_SPARK_JOBS).result
+        assert jobs != "[]"  # the pool's stage holds its slots while it lives
+        _cell(kernel, "%%horovod --quiet\n" + HVD + "kept = hvd.rank()")
+        failed = kernel.run("%%horovod\nif hvd.rank() == 1:\n    raise ValueError('boom')\n"
+                            "hvd.allreduce(torch.ones(1))", timeout=60)
+        assert failed.error is not None and "ValueError: boom" in failed.text
+        out = _cell(kernel, "%%horovod --all-ranks\n(kept, " + SUM + ")")
+        assert out.result == "[(0, 3.0), (1, 3.0)]"
+        assert _cell(kernel, "%horovod pull kept --rank 1").result == "1"
+        _cell(kernel, "%horovod stop")
+        for pid in pids:
+            assert _gone_within(pid, 15)
+        deadline = time.monotonic() + 30
+        while _cell(kernel, ACTIVE_SPARK_JOBS).result != "[]" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _cell(kernel, ACTIVE_SPARK_JOBS).result == "[]"  # its slots are free again
+        _cell(kernel, "spark.stop()")
+    finally:
+        kernel.close()
