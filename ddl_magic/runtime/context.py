@@ -20,9 +20,10 @@ from .collectives import CollectiveRunner
 from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
-from .planes import SharedMemoryPlane, choose_plane
+from .planes import choose_plane
 from .settings import Settings
 from .planes.shared_memory import connect_host_group
+from .planes.shared_memory_plane import SharedMemoryPlane
 from .planes.tcp import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
