@@ -15,6 +15,8 @@
 A plane is given one flat buffer per collective: fusion, scaling, staging of GPU tensors and
 the timeline's labels are `CollectiveRunner`'s, so a new plane touches none of them. The
 plane's `name` is what `context.current().transport` reports and the op queue is chosen by.
+What a plane moves bytes over (the sockets, the mapped segments) is connected by
+`rendezvous.py` when the ring forms.
 
 Where a GPU plane plugs in: `gpu_memory` is how a plane offers device memory that the ranks
 reduce in directly. Within a host that is today part of the shared-memory plane: the same
