@@ -17,15 +17,22 @@ Agreeing. Where ranks could decide differently (shared memory works on one host 
 another; a rank added another process set than the others did), each says what it found,
 `gather` hands every rank the same list, and every rank decides alike from it: either every
 rank uses shared memory or none does; a process set is refused on every rank or on none.
-`gather` pickles; an *exchange* moves every rank's bytes: while a ring forms,
-`over_coordination`, through rank 0's coordination links, which nothing else uses yet.
+`gather` pickles; an *exchange* moves every rank's bytes, and which one depends on when:
+
+    over_coordination   while a ring forms: through rank 0's coordination links, which
+                        nothing else uses yet
+    over_op_queue       once a ring runs (a process set is added over the run's ring): two
+                        allgathers negotiated like any collective, since the ring's op queue
+                        owns the coordination links by then
 
 (`HostGroup.exchange`, the shared-memory round that carries each negotiation cycle, moves
 every local rank's bytes too; it is the data path of a formed ring, not rendezvous.)
 
 Why every wait ends: connecting has one deadline, `timeout` from the start, for every
 connection and every handshake; a gather over the coordination links waits at most
-`timeout` for each message. A rank lost on the way is a `PeerLostError` that names it.
+`timeout` for each message; one over the op queue as long as any collective may (the op
+timeout, then `CollectiveTimeoutError`). A rank lost on the way is a `PeerLostError` that
+names it.
 """
 
 from __future__ import annotations
@@ -37,14 +44,20 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
 
 from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
 from .errors import PeerLostError
+from .negotiation import Request
 from .planes.shared_memory import HostGroup, Neighbour, Segment, supported
 from .planes.tcp import RingTransport
 from .settings import TRANSPORT_VARIABLE, Settings
 from .world import Peer, World, derive_world
+
+if TYPE_CHECKING:
+    from .op_queue import OpQueue
 
 
 @dataclass
@@ -296,3 +309,23 @@ def over_coordination(world: World, coordination: dict[int, Channel], timeout: f
                 channel.sock.settimeout(None)
 
     return exchange
+
+
+def over_op_queue(queue: OpQueue, name: str) -> Exchange:
+    """Through a running ring's op queue: two allgathers named `{name}.length` and
+    `{name}.payload`, negotiated, ordered and timed out like any collective."""
+    def exchange(mine: bytes) -> list[bytes]:
+        lengths = _allgathered(queue, f"{name}.length", torch.tensor([len(mine)], dtype=torch.int64))
+        payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        gathered = _allgathered(queue, f"{name}.payload", payload).numpy().tobytes()
+        every, start = [], 0
+        for length in lengths.tolist():
+            every.append(gathered[start:start + length])
+            start += length
+        return every
+
+    return exchange
+
+
+def _allgathered(queue: OpQueue, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return queue.submit(Request.of(name, "allgather", tensor), tensor, None, wait_follows=True).wait()
