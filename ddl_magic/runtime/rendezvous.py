@@ -8,7 +8,9 @@ Forming a ring, at `init()` and for each process set, is `connect`:
    on rank 0, every other rank's). Every connection proves the run's secret first.
 2. `connect_host_group`: shared memory. The ranks of one host map each other's segments,
    where that is wanted and works on every host.
-3. `planes.choose_plane` (in `context`): which plane moves the bytes over what connected.
+
+`context` then chooses, from these `Connections`, the plane that moves the bytes
+(`planes.choose_plane`) and the op queue that negotiates.
 
 A process set's ring forms the same way among its members, each listening on a port of its
 own (`process_set_world`), once every rank of the run has learnt those ports.
