@@ -7,7 +7,8 @@ import time
 import pytest
 
 from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankStarted
-from ddl_magic.driver.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.driver.watcher import RunWatcher
+from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.wire.channel import ABORTED_EXIT_CODE
 from ddl_magic.driver.records import RankStatus, new_records
@@ -31,7 +32,7 @@ def replay(tmp_path, events, abort_before: int, describe_lost=None):
     error raised, the failures shown and the run's records."""
     run = RunResult("run", len(HOSTS), "test", ranks=new_records(len(HOSTS), str(tmp_path)))
     display = ShownFailures()
-    watcher = _RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
+    watcher = RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
     for rank, host in enumerate(HOSTS):
         watcher.handle(RankStarted(rank, host, 100 + rank))
     for index, event in enumerate(events):

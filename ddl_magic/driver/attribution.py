@@ -1,6 +1,6 @@
 """Which failure caused the others: a pure function of the failures the driver heard, what
 it knows of each rank, and when it stopped the run. Tested without processes, as
-`runtime/negotiation.py` is; the run loop (`job.py`) applies the verdict.
+`runtime/negotiation.py` is; the run's watcher (`watcher.py`) applies the verdict.
 
 The rules, in order:
 

@@ -21,7 +21,7 @@ from .attribution import describe_exit
 from .records import RankRecord, RankStatus
 
 if TYPE_CHECKING:
-    from .job import RunResult
+    from .run_result import RunResult
 
 STATUS_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
                   "interrupted": "#fb8c00", "timed out": "#fb8c00", "starting": "#9e9e9e",

@@ -43,7 +43,8 @@ from logging import ERROR, getLogger
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
-    from .job import JobOptions, RunResult
+    from .job import JobOptions
+    from .run_result import RunResult
 
 AUTOMATIC_VARIABLE = "DDL_MAGIC_MLFLOW"
 INSTALL_HINT = 'pip install "ddl_magic[mlflow]"'

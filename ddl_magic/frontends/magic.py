@@ -12,7 +12,8 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .options import make_display, shows_run_view
 from ..driver.capture import CaptureError, capture_cell, format_bytes
-from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
+from ..driver.job import Job, JobOptions, last_run
+from ..driver.run_result import RankFailedError, RunTimeoutError
 from .ddlrun import parse_env
 from .runner import make_launcher
 
