@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import cloudpickle
 
-from .attribution import RankFacts, attribute, describe_exit
+from .attribution import RankFacts, attribute, describe_exit, failures_settled
 from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
                      RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
                      TimelineStarted)
@@ -34,12 +34,6 @@ if TYPE_CHECKING:
     from .control import ControlServer
 
 REFRESH_INTERVAL_S = 0.1  # the display's, at most; and the longest wait for an event
-# After a first failure, how long to wait for the other ranks' reports before choosing
-# which failure to show: a rank that died and the neighbour that noticed it arrive together.
-FAILURE_SETTLE_S = 0.3
-# Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
-# reported after everything it wrote: wait that long at most for its last words.
-LAST_WORDS_TIMEOUT_S = 3.0
 # Every rank must have connected and registered by then (a Spark stage may wait for slots).
 REGISTER_TIMEOUT_S = 120.0
 
@@ -82,7 +76,9 @@ class RunWatcher:
         first_failure_at = None
         while len(self._results) < self.record.np:
             now = time.monotonic()
-            if first_failure_at is not None and self._settled(now - first_failure_at):
+            if first_failure_at is not None and failures_settled(
+                    self._failures, self._facts(), now - first_failure_at,
+                    self._exits_follow_output):
                 break
             if timeout_s is not None and now - started > timeout_s:
                 self.record.status = "timed out"
@@ -128,15 +124,6 @@ class RunWatcher:
                     rank, record.host, FailureKind.UNREACHABLE, "",
                     f"{record.host or 'its host'} stopped answering: no word from the task "
                     f"that runs it for {timeout:g} s", at_ns=time.monotonic_ns()))
-
-    def _settled(self, since_first_failure: float) -> bool:
-        """Have the failures of this moment all come in, and the failed ranks' last words?
-        (None are coming from a host that stopped answering, or from a stopped process.)"""
-        if since_first_failure < FAILURE_SETTLE_S:
-            return False
-        return (not self._exits_follow_output or since_first_failure >= LAST_WORDS_TIMEOUT_S
-                or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures
-                       if f.kind not in (FailureKind.UNREACHABLE, FailureKind.STOPPED)))
 
     def handle(self, event) -> None:
         record = self.record
@@ -276,10 +263,8 @@ class RunWatcher:
         """Show and raise the failure that caused the others (`attribution.py` decides), then
         the ranks it took down."""
         records = self.record.ranks
-        verdict = attribute(self._failures,
-                            [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
-                             for r in records],
-                            self._aborted_at_ns, self._describe_lost, peer_timeout_s())
+        verdict = attribute(self._failures, self._facts(), self._aborted_at_ns,
+                            self._describe_lost, peer_timeout_s())
         for rank in verdict.stopped:
             records[rank].end(RankStatus.STOPPED)  # the driver stopped it
             records[rank].failure = None
@@ -292,6 +277,11 @@ class RunWatcher:
         self.record.error = f"rank {cause.rank} failed: {cause.reason}"
         raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
                               cause.exit_code, self.record)
+
+    def _facts(self) -> list[RankFacts]:
+        """What attribution reads of each rank."""
+        return [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
+                for r in self.record.ranks]
 
     def _collect_results(self) -> None:
         values = [cloudpickle.loads(b) if b is not None else None
