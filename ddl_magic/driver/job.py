@@ -26,6 +26,7 @@ from .host_probe import HostProbes
 from .records import new_records
 from .run_folders import prune_run_folders
 from .run_result import RunResult
+from .run_status import RunStatus
 from .tracking import finish_tracking, start_tracking, wants_tracking
 from .watcher import RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
@@ -111,21 +112,22 @@ class Job:
                              HostProbes(events, timeout_s=peer_timeout_s()),
                              exits_follow_output=getattr(self.launcher, "forwards_output", False),
                              describe_lost=getattr(self.launcher, "describe_lost", None))
-        outcome = "failed"
+        outcome = RunStatus.FAILED
         try:
             display.display()
             self.launcher.start(self.np, server.address, secret, events)
             watcher.watch(events, server, options.timeout_s)
-            outcome = "done"
+            outcome = RunStatus.DONE
         except KeyboardInterrupt:
-            outcome = "interrupted"
+            outcome = RunStatus.INTERRUPTED
             raise
         finally:
-            if outcome != "done":
-                server.abort("the run was interrupted" if outcome == "interrupted" else "the run failed")
+            if outcome is not RunStatus.DONE:
+                server.abort("the run was interrupted" if outcome is RunStatus.INTERRUPTED
+                             else "the run failed")
             self.launcher.stop()
             server.close()
             watcher.drain(events)
-            watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+            watcher.close(outcome)
             finish_tracking(record, sys.exc_info()[1])
         return record

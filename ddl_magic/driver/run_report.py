@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from .attribution import describe_exit
 from .records import RankRecord, RankStatus
+from .run_status import RunStatus
 
 if TYPE_CHECKING:
     from .run_result import RunResult
@@ -43,7 +44,8 @@ def exit_status(code: int | None) -> str:
 
 def run_headline(run: RunResult) -> str:
     """'done in 3.6 s on local processes (2 ranks)'."""
-    verb = {"done": "done in", "running": "running for"}.get(run.status, f"{run.status} after")
+    verb = {RunStatus.DONE: "done in", RunStatus.RUNNING: "running for"}.get(
+        run.status, f"{run.status} after")
     return f"{verb} {run.duration_s:.1f} s on {run.where} ({run.np} ranks)"
 
 

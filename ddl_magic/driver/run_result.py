@@ -1,5 +1,5 @@
 """What a run leaves behind: its record (`RunResult`, what `ddl_magic.last_run()` returns),
-how it ended (`RunStatus`), and the errors a failed or overlong run raises.
+and the errors a failed or overlong run raises.
 
 Example::
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .records import RankRecord
 from .run_report import run_report_html, run_report_text
+from .run_status import RunStatus
 
 if TYPE_CHECKING:
     from .tracking import TrackedRun
@@ -45,7 +46,7 @@ class RunResult:
     run_id: str
     np: int
     where: str
-    status: str = "running"  # running, done, failed, interrupted, timed out
+    status: RunStatus = RunStatus.RUNNING
     ranks: list[RankRecord] = field(default_factory=list)
     result: Any = None
     results: list[Any] | None = None
@@ -55,6 +56,9 @@ class RunResult:
     ended_at: float | None = None
     error: str | None = None
     mlflow: TrackedRun | None = None  # the MLflow run it logged to, if tracked (tracking.py)
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)  # also given as its word: RunResult(..., status="done")
 
     @property
     def duration_s(self) -> float:

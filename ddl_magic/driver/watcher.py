@@ -8,7 +8,7 @@ hands the watcher the run's event queue::
 
     watcher.watch(events, server, timeout_s)   # until every rank finished, or the first failure
     watcher.drain(events)                      # after the ranks were stopped: last lines, exits
-    watcher.close("done")                      # logs closed, ranks left over marked stopped
+    watcher.close(outcome)                     # the run's end; logs closed, ranks left stopped
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, Ran
 from .host_probe import HostProbes
 from .records import RankRecord, RankStatus
 from .run_result import RankFailedError, RunResult, RunTimeoutError
+from .run_status import RunStatus, shown_end
 from ..wire.channel import ABORTED_EXIT_CODE, peer_timeout_s
 from ..wire.liveness import LivenessWatch, ProcessState, Verdict
 
@@ -81,13 +82,13 @@ class RunWatcher:
                     self._exits_follow_output):
                 break
             if timeout_s is not None and now - started > timeout_s:
-                self.record.status = "timed out"
+                self.record.status = RunStatus.TIMED_OUT
                 raise RunTimeoutError(
                     f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
                     f"Logs: {self.record.log_dir}")
             if now - started > REGISTER_TIMEOUT_S and len(server.registered) < self.record.np:
                 missing = sorted(set(range(self.record.np)) - server.registered)
-                self.record.status = "failed"
+                self.record.status = RunStatus.FAILED
                 raise RuntimeError(
                     f"ranks {missing} did not connect within {REGISTER_TIMEOUT_S:.0f} s "
                     f"({self.record.where}{self._placed_on(missing)}); see their logs in "
@@ -104,8 +105,8 @@ class RunWatcher:
             self._refresh()
         if self._failures:
             self._raise_failure()
-        self.record.status = "done"
         self._collect_results()
+        self.record.status = RunStatus.DONE
 
     def _judge_liveness(self) -> None:
         """Fail the ranks whose owners saw them stopped, or fell silent, for the peer timeout."""
@@ -235,9 +236,13 @@ class RunWatcher:
             except queue.Empty:
                 return
 
-    def close(self, status: str) -> None:
+    def close(self, outcome: RunStatus) -> None:
+        """End the run: its record, logs, trace and display. Its status is the end `watch`
+        gave it, where it gave one; else `outcome`, how `Job.run` ended (interrupted, or
+        failed: the ranks did not start, a result did not unpickle)."""
         record = self.record
-        record.status = status
+        if record.status is RunStatus.RUNNING:
+            record.status = outcome
         record.ended_at = time.time()
         for rank in record.ranks:
             if not rank.ended:
@@ -251,7 +256,7 @@ class RunWatcher:
             log.close()
         if self._trace is not None:
             self._trace.close()
-        self.display.finish({"done": "done", "interrupted": "interrupted"}.get(status, "failed"))
+        self.display.finish(shown_end(record.status))
 
     def _refresh(self) -> None:
         now = time.monotonic()
@@ -273,7 +278,7 @@ class RunWatcher:
         for failure in verdict.failures:
             self.display.handle(failure)
         cause = verdict.cause
-        self.record.status = "failed"
+        self.record.status = RunStatus.FAILED
         self.record.error = f"rank {cause.rank} failed: {cause.reason}"
         raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
                               cause.exit_code, self.record)
