@@ -31,6 +31,7 @@ from .tracking import finish_tracking, start_tracking, wants_tracking
 from .watcher import RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.messages import RunSettings
 
 _last_run: RunResult | None = None
 
@@ -101,8 +102,8 @@ class Job:
             env = {**record.mlflow.rank_environment(), **env}
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
-        settings = {"env": env, "run_id": run_id, "timeline": timeline_path is not None,
-                    "return_all": options.return_all}
+        settings = RunSettings(run_id, env, timeline=timeline_path is not None,
+                               return_all=options.return_all)
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
