@@ -16,11 +16,12 @@ from __future__ import annotations
 import queue
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import cloudpickle
 
 from .attribution import RankFacts, attribute, describe_exit, failures_settled
+from .display import RunDisplay
 from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
                      RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
                      TimelineStarted)
@@ -49,9 +50,9 @@ def _open_trace(path: str):
 class RunWatcher:
     """Applies events to the run record, the display, the log files and the timeline."""
 
-    def __init__(self, record: RunResult, display, timeline_path: str | None,
+    def __init__(self, record: RunResult, display: RunDisplay, timeline_path: str | None,
                  host_probes: HostProbes | None = None, exits_follow_output: bool = False,
-                 describe_lost=None):
+                 describe_lost: Callable[[str, list[int]], str] | None = None):
         self.record = record
         self._host_probes = host_probes
         self._tasks_started: set[int] = set()  # ranks whose task said it is starting them
