@@ -103,18 +103,18 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
             return ABORTED_EXIT_CODE
         case other:
             raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
-    os.environ.update(settings["env"])
-    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
+    os.environ.update(settings.env)
+    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
     torch_backend.register()
     keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
-    if settings["timeline"]:
+    if settings.timeline:
         start_timeline_shipping()
     if store_port is not None:
         store_port.close()
     with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
-        exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
+        exit_code, report = _run_task(task_bytes, rank, settings.return_all)
     # A torch.distributed process group the task left open ends with this process, which
     # exits right after reporting, without running any destructor.
     stop_timeline_shipping()
