@@ -38,7 +38,7 @@ from ..wire.messages import FailureKind
 from ..wire.messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
                        TimelineEvents, TimelineStart)
 from ..wire.output_lines import forward_lines
-from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
+from ..wire.channel import ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError
 from .environment import rank_environment, reserve_port
 from ..runtime import context
 from ..runtime.errors import CollectiveTimeoutError, HorovodInternalError
@@ -47,7 +47,6 @@ from ..runtime.world import Peer, derive_world
 from ..torch import backend as torch_backend
 from ..torch.group_lifetime import keep_destroyed_groups_alive
 
-CONNECT_TIMEOUT_S = 30.0
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
