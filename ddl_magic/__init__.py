@@ -19,8 +19,8 @@ __all__ = ["HorovodRunner", "Pool", "RankFailedError", "RunResult", "TorchDistri
 
 # Imported when first used, not with the package: a rank or a Spark task imports
 # `ddl_magic.<module>` and must not pay for the driver's run machinery and notebook UI.
-_DRIVER_API = {"HorovodRunner": ".frontends.runner", "RankFailedError": ".driver.job",
-               "RunResult": ".driver.job", "last_run": ".driver.job",
+_DRIVER_API = {"HorovodRunner": ".frontends.runner", "RankFailedError": ".driver.run_result",
+               "RunResult": ".driver.run_result", "last_run": ".driver.job",
                "TorchDistributor": ".frontends.torch_distributor",
                "distributed": ".frontends.decorator",
                "Pool": ".driver.pool", "start": ".frontends.pool_magic"}

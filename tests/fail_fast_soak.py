@@ -156,7 +156,8 @@ class Soak:
     def run(self, name: str, code: str, env: dict[str, str] | None = None):
         """Run `code` as a script on 2 local ranks, from this process, as a notebook runs a
         cell: (the run's record, its error or None, seconds)."""
-        from ddl_magic.driver.job import Job, JobOptions, RankFailedError
+        from ddl_magic.driver.job import Job, JobOptions
+        from ddl_magic.driver.run_result import RankFailedError
         from ddl_magic.launch.local import LocalLauncher
         from ddl_magic.wire.tasks import ScriptTask
 

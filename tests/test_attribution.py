@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from ddl_magic.driver.attribution import LAST_WORDS_TIMEOUT_S, RankFacts, failures_settled
 from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankStarted
-from ddl_magic.driver.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.driver.watcher import RunWatcher
+from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.wire.channel import ABORTED_EXIT_CODE
 from ddl_magic.driver.records import RankStatus, new_records
@@ -31,7 +33,7 @@ def replay(tmp_path, events, abort_before: int, describe_lost=None):
     error raised, the failures shown and the run's records."""
     run = RunResult("run", len(HOSTS), "test", ranks=new_records(len(HOSTS), str(tmp_path)))
     display = ShownFailures()
-    watcher = _RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
+    watcher = RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
     for rank, host in enumerate(HOSTS):
         watcher.handle(RankStarted(rank, host, 100 + rank))
     for index, event in enumerate(events):
@@ -101,6 +103,20 @@ def test_a_stopped_rank_is_named_alone_even_when_its_hosts_other_ranks_stop_too(
         failed(3, FailureKind.STOPPED, 20, "stopped"),
     ], abort_before=1)
     assert (error.rank, error.host, error.reason) == (1, "host-b", "stopped")
+
+
+def test_the_cause_is_chosen_once_the_failed_ranks_exits_are_in_or_their_last_words_are_late():
+    """Local ranks' exits come after their last words: the driver waits for them, briefly,
+    but not for a rank whose host stopped answering, and not where exits come on their own."""
+    vanished, unreachable = failed(1, FailureKind.VANISHED, 0), failed(3, FailureKind.UNREACHABLE, 0)
+    running, killed = RankFacts("host-b", None, False), RankFacts("host-b", -9, False)
+    no_exits, rank_1_killed = [running] * 4, [running, killed, running, running]
+    assert not failures_settled([vanished], rank_1_killed, 0.1, exits_follow_output=True)
+    assert not failures_settled([vanished], no_exits, 1.0, exits_follow_output=True)
+    assert failures_settled([vanished], rank_1_killed, 1.0, exits_follow_output=True)
+    assert failures_settled([vanished], no_exits, LAST_WORDS_TIMEOUT_S, exits_follow_output=True)
+    assert failures_settled([unreachable], no_exits, 1.0, exits_follow_output=True)
+    assert failures_settled([vanished], no_exits, 1.0, exits_follow_output=False)
 
 
 def stop_rank_1():

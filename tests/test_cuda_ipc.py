@@ -14,7 +14,8 @@ import signal
 import pytest
 import torch
 
-from ddl_magic.driver.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.launch.local import LocalLauncher
 from ddl_magic.wire.tasks import FunctionTask
 

@@ -23,7 +23,7 @@ from pyspark.sql import functions
 
 from ddl_magic.labs.datasets import IRIS_FEATURES, load_iris
 from ddl_magic.spark.estimator import TorchEstimator, TorchModel
-from ddl_magic.driver.job import RankFailedError
+from ddl_magic.driver.run_result import RankFailedError
 from spark_sessions import connect_only, no_spark_job_active, sent_by_value
 from trace_files import chrome_events, columnar_events
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from ddl_magic import TorchDistributor
-from ddl_magic.driver.job import RankFailedError
+from ddl_magic.driver.run_result import RankFailedError
 from kernel import Kernel
 from ranks import run_on_ranks
 

@@ -121,7 +121,7 @@ def test_the_control_port_refuses_every_bad_frame_and_the_run_goes_on(thread_exc
 
 def test_a_ring_listener_refuses_every_bad_frame_and_still_accepts_its_peer(thread_exceptions):
     from ddl_magic.wire.channel import Channel, new_secret
-    from ddl_magic.runtime.planes.tcp import _accept_expected
+    from ddl_magic.runtime.rendezvous import _accept_expected
 
     secret, accepted = new_secret(), {}
     with socket.socket() as listener:

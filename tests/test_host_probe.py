@@ -8,7 +8,8 @@ import pytest
 
 from ddl_magic.driver.events import HostUnanswered, RanksPlaced, RankStarted
 from ddl_magic.driver.host_probe import HostProbes, answers
-from ddl_magic.driver.job import RankFailedError, RunResult, _RunWatcher
+from ddl_magic.driver.watcher import RunWatcher
+from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.driver.records import RankStatus, new_records
 from test_attribution import ShownFailures
 
@@ -54,7 +55,7 @@ def test_only_the_silent_host_is_reported_with_the_ranks_placed_on_it(silent_por
 
 def watch_four_ranks(tmp_path):
     run = RunResult("run", 4, "test", ranks=new_records(4, str(tmp_path)))
-    watcher = _RunWatcher(run, ShownFailures(), None)
+    watcher = RunWatcher(run, ShownFailures(), None)
     for rank in (0, 2):
         watcher.handle(RankStarted(rank, "host-a", 100 + rank))
     return watcher, run

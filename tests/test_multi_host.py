@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ddl_magic.driver.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.wire.tasks import FunctionTask
 from spark_sessions import no_spark_job_active, sent_by_value

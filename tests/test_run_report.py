@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from ddl_magic.driver.job import RunResult
+from ddl_magic.driver.run_result import RunResult
 from ddl_magic.driver.records import RankStatus, new_records
 from ddl_magic.driver.run_report import exit_status
 from kernel import Kernel

@@ -17,7 +17,8 @@ import threading
 import pytest
 import torch
 
-from ddl_magic.driver.job import Job, JobOptions, RankFailedError
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.launch.local import LocalLauncher
 from ddl_magic.runtime.planes import shared_memory
 from ddl_magic.runtime.errors import PeerLostError

@@ -1,6 +1,7 @@
 """Which failure caused the others: a pure function of the failures the driver heard, what
 it knows of each rank, and when it stopped the run. Tested without processes, as
-`runtime/negotiation.py` is; the run loop (`job.py`) applies the verdict.
+`runtime/negotiation.py` is; the run's watcher (`watcher.py`) applies the verdict, once
+`failures_settled` says the failures of that moment, and the failed ranks' last words, are in.
 
 The rules, in order:
 
@@ -27,6 +28,14 @@ from typing import Callable
 
 from .events import ROOT_CAUSE_ORDER, FailureKind, RankFailed, describe_ranks
 from ..wire.channel import ABORTED_EXIT_CODE
+
+
+# After a first failure, how long to wait for the other ranks' reports before choosing
+# which failure to show: a rank that died and the neighbour that noticed it arrive together.
+FAILURE_SETTLE_S = 0.3
+# Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
+# reported after everything it wrote: wait that long at most for its last words.
+LAST_WORDS_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,28 @@ def attribute(failures: list[RankFailed], ranks: list[RankFacts], aborted_at_ns:
     _name_a_lost_host(verdict, vanished_later, ranks, describe_lost, peer_timeout_s)
     verdict.failed.update((f.rank, f.reason) for f in verdict.failures)
     return verdict
+
+
+def failures_settled(failures: list[RankFailed], ranks: list[RankFacts], since_first_s: float,
+                     exits_follow_output: bool) -> bool:
+    """Have the failures of this moment all come in, `since_first_s` seconds after the first,
+    and the failed ranks' last words? (None are coming from a host that stopped answering, or
+    from a stopped process.) `exits_follow_output`: the launcher reports a rank's exit after
+    everything it wrote.
+
+    Example:
+        >>> died = RankFailed(1, "host-a", FailureKind.VANISHED, "", "connection lost", at_ns=0)
+        >>> alive, dead = RankFacts("host-a", None, False), RankFacts("host-a", -9, False)
+        >>> failures_settled([died], [alive, alive], 0.5, exits_follow_output=True)
+        False
+        >>> failures_settled([died], [alive, dead], 0.5, exits_follow_output=True)
+        True
+    """
+    if since_first_s < FAILURE_SETTLE_S:
+        return False
+    return (not exits_follow_output or since_first_s >= LAST_WORDS_TIMEOUT_S
+            or all(ranks[f.rank].exit_code is not None for f in failures
+                   if f.kind not in (FailureKind.UNREACHABLE, FailureKind.STOPPED)))
 
 
 def _name_a_lost_host(verdict: Attribution, vanished_later: list[RankFailed],

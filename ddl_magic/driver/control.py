@@ -27,8 +27,8 @@ from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankO
                      RankProcessState, RanksPlaced, RankStarted, TimelineBatch, TimelineStarted)
 from ..wire.liveness import ProcessState
 from ..wire.messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register,
-                       Start, TaskAlive, TaskExited, TaskOutput, TaskStarted, TimelineEvents,
-                       TimelineStart)
+                             RunSettings, Start, TaskAlive, TaskExited, TaskOutput, TaskStarted,
+                             TimelineEvents, TimelineStart)
 from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
 
 _PROCESS_STATES = {state.value for state in ProcessState}
@@ -41,8 +41,9 @@ class ControlServer:
     Spark) and `advertised_host` the address ranks connect to.
     """
 
-    def __init__(self, secret: bytes, np: int, task: bytes, settings: dict, events: queue.Queue,
-                 bind_host: str = "127.0.0.1", advertised_host: str = "127.0.0.1"):
+    def __init__(self, secret: bytes, np: int, task: bytes, settings: RunSettings,
+                 events: queue.Queue, bind_host: str = "127.0.0.1",
+                 advertised_host: str = "127.0.0.1"):
         self.np = np
         self.events = events
         self._secret = secret

@@ -4,9 +4,9 @@ The driver drains the run's event queue on the notebook's main thread and hands 
 to one display, through the same four calls::
 
     display.display()
-    display.handle(event)      # for each event; cheap, changes only Python-side state
-    display.refresh()          # at most every ~100 ms, and once at the end
-    display.finish("done")     # or "failed" / "interrupted"
+    display.handle(event)           # for each event; cheap, changes only Python-side state
+    display.refresh()               # at most every ~100 ms, and once at the end
+    display.finish(RunStatus.DONE)  # or FAILED, INTERRUPTED: `run_status.shown_end`
 
 The front-end picks the display (`frontends/options.make_display`: the widget run view in a
 notebook, rank-prefixed text elsewhere) and gives `Job` a factory for it; a Job given none
@@ -19,6 +19,7 @@ from typing import Protocol
 
 from .events import Event
 from .records import RankRecord
+from .run_status import RunStatus
 
 
 class RunDisplay(Protocol):
@@ -28,7 +29,7 @@ class RunDisplay(Protocol):
 
     def refresh(self) -> None: ...
 
-    def finish(self, status: str) -> None: ...
+    def finish(self, status: RunStatus) -> None: ...
 
 
 class DisplayFactory(Protocol):

@@ -1,101 +1,37 @@
 """One run of a task on `np` ranks, seen from the driver: launch, watch, stop, report.
 
-The driver's main thread sits in `Job.run`'s loop, draining the one event queue that the
-control server and the launcher feed. That is what makes the notebook's stop button work:
-KeyboardInterrupt is raised in this loop, and the loop's cleanup stops every rank. The same
-cleanup runs on success, on the first failing rank, and on a timeout, so no process,
-thread, port or Spark job outlives the run.
+`Job.run` checks what it can before anything starts, then starts the ranks and hands the
+run's one event queue, which the control server and the launcher feed, to a `RunWatcher`
+(`watcher.py`) on the driver's main thread. That is what makes the notebook's stop button
+work: KeyboardInterrupt is raised in the watcher's loop, and `Job.run`'s cleanup stops every
+rank. The same cleanup runs on success, on the first failing rank, and on a timeout, so no
+process, thread, port or Spark job outlives the run.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import signal
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import cloudpickle
 
-from .attribution import RankFacts, attribute, describe_exit
 from .control import ControlServer
 from .display import DisplayFactory, text_display
-from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
-                     RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
-                     TimelineStarted)
 from .host_probe import HostProbes
-from ..wire.liveness import LivenessWatch, ProcessState, Verdict
-from .records import RankRecord, RankStatus, new_records
+from .records import new_records
 from .run_folders import prune_run_folders
-from .run_report import run_report_html, run_report_text
-from ..wire.channel import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from .run_result import RunResult
+from .run_status import RunStatus
+from .tracking import finish_tracking, start_tracking, wants_tracking
+from .watcher import RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
-from .tracking import TrackedRun, finish_tracking, start_tracking, wants_tracking
-
-REFRESH_INTERVAL_S = 0.1
-# After a first failure, how long to wait for the other ranks' reports before choosing
-# which failure to show: a rank that died and the neighbour that noticed it arrive together.
-FAILURE_SETTLE_S = 0.3
-# Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
-# reported after everything it wrote: wait that long at most for its last words.
-LAST_WORDS_TIMEOUT_S = 3.0
-# Every rank must have connected and registered by then (a Spark stage may wait for slots).
-REGISTER_TIMEOUT_S = 120.0
-
-
-class RunTimeoutError(TimeoutError):
-    """The run took longer than its timeout; every rank was stopped."""
-
-
-class RankFailedError(RuntimeError):
-    """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
-
-    def __init__(self, rank: int, host: str, reason: str, traceback: str, exit_code: int | None,
-                 run: "RunResult"):
-        where = f"rank {rank} ({host})" if host else f"rank {rank}"
-        super().__init__(f"{where} failed: {reason}" + (f"\n\n{traceback}" if traceback else ""))
-        self.rank, self.host, self.reason, self.traceback = rank, host, reason, traceback
-        self.exit_code = exit_code  # what the rank exited with (negative: killed by that signal)
-        self.run = run
-
-
-@dataclass
-class RunResult:
-    """What a finished run leaves behind for later cells (`ddl_magic.last_run()`)."""
-
-    run_id: str
-    np: int
-    where: str
-    status: str = "running"  # running, done, failed, interrupted, timed out
-    ranks: list[RankRecord] = field(default_factory=list)
-    result: Any = None
-    results: list[Any] | None = None
-    log_dir: str = ""
-    timeline_path: str | None = None
-    started_at: float = field(default_factory=time.time)
-    ended_at: float | None = None
-    error: str | None = None
-    mlflow: TrackedRun | None = None  # the MLflow run it logged to, if tracked (tracking.py)
-
-    @property
-    def duration_s(self) -> float:
-        return (self.ended_at or time.time()) - self.started_at
-
-    def log(self, rank: int) -> str:
-        """The full output of one rank."""
-        with open(self.ranks[rank].log_path, encoding="utf-8") as f:
-            return f.read()
-
-    def __repr__(self) -> str:
-        return run_report_text(self)
-
-    def _repr_html_(self) -> str:
-        return run_report_html(self)
-
+from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.messages import RunSettings
 
 _last_run: RunResult | None = None
 
@@ -166,288 +102,33 @@ class Job:
             env = {**record.mlflow.rank_environment(), **env}
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
-        settings = {"env": env, "run_id": run_id, "timeline": timeline_path is not None,
-                    "return_all": options.return_all}
+        settings = RunSettings(run_id, env, timeline=timeline_path is not None,
+                               return_all=options.return_all)
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = options.display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
                                title=options.title, timeline_path=timeline_path)
-        watcher = _RunWatcher(record, display, timeline_path,
-                              HostProbes(events, timeout_s=peer_timeout_s()),
-                              exits_follow_output=getattr(self.launcher, "forwards_output", False),
-                              describe_lost=getattr(self.launcher, "describe_lost", None))
-        outcome = "failed"
+        watcher = RunWatcher(record, display, timeline_path,
+                             HostProbes(events, timeout_s=peer_timeout_s()),
+                             exits_follow_output=getattr(self.launcher, "forwards_output", False),
+                             describe_lost=getattr(self.launcher, "describe_lost", None))
+        outcome = RunStatus.FAILED
         try:
             display.display()
             self.launcher.start(self.np, server.address, secret, events)
             watcher.watch(events, server, options.timeout_s)
-            outcome = "done"
+            outcome = RunStatus.DONE
         except KeyboardInterrupt:
-            outcome = "interrupted"
+            outcome = RunStatus.INTERRUPTED
             raise
         finally:
-            if outcome != "done":
-                server.abort("the run was interrupted" if outcome == "interrupted" else "the run failed")
+            if outcome is not RunStatus.DONE:
+                server.abort("the run was interrupted" if outcome is RunStatus.INTERRUPTED
+                             else "the run failed")
             self.launcher.stop()
             server.close()
             watcher.drain(events)
-            watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+            watcher.close(outcome)
             finish_tracking(record, sys.exc_info()[1])
         return record
-
-
-def _open_trace(path: str):
-    """The trace files of a ``--timeline`` run; pyarrow is imported only by runs that record one."""
-    from ..timeline.columns import TraceFiles
-
-    return TraceFiles(path)
-
-
-class _RunWatcher:
-    """Applies events to the run record, the display, the log files and the timeline."""
-
-    def __init__(self, record: RunResult, display, timeline_path: str | None,
-                 host_probes: HostProbes | None = None, exits_follow_output: bool = False,
-                 describe_lost=None):
-        self.record = record
-        self._host_probes = host_probes
-        self._tasks_started: set[int] = set()  # ranks whose task said it is starting them
-        self._placement: list[str] = []  # the executor of each rank, where Spark said
-        # (host, ranks) -> the reason to show when those ranks of one host vanished together
-        self._describe_lost = describe_lost or (lambda host, ranks: "connection lost")
-        self._exits_follow_output = exits_follow_output
-        self._output_before_start: dict[int, list[str]] = {}  # a rank's failure, if it never starts
-        self.display = display
-        self._logs = {r.rank: open(r.log_path, "a", encoding="utf-8", buffering=1)
-                      for r in record.ranks}
-        self._trace = _open_trace(timeline_path) if timeline_path else None
-        self._results: dict[int, bytes | None] = {}
-        self._failures: list[RankFailed] = []
-        self._aborted_at_ns: int | None = None
-        self._liveness = LivenessWatch(peer_timeout_s())  # judged from the owners' reports
-        self._stopping = False
-        self._last_refresh = 0.0
-
-    def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
-        """Handle events until every rank finished; raise RankFailedError on the first failure."""
-        started = time.monotonic()
-        first_failure_at = None
-        while len(self._results) < self.record.np:
-            now = time.monotonic()
-            if first_failure_at is not None and self._settled(now - first_failure_at):
-                break
-            if timeout_s is not None and now - started > timeout_s:
-                self.record.status = "timed out"
-                raise RunTimeoutError(
-                    f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
-                    f"Logs: {self.record.log_dir}")
-            if now - started > REGISTER_TIMEOUT_S and len(server.registered) < self.record.np:
-                missing = sorted(set(range(self.record.np)) - server.registered)
-                self.record.status = "failed"
-                raise RuntimeError(
-                    f"ranks {missing} did not connect within {REGISTER_TIMEOUT_S:.0f} s "
-                    f"({self.record.where}{self._placed_on(missing)}); see their logs in "
-                    f"{self.record.log_dir}")
-            try:
-                self.handle(events.get(timeout=REFRESH_INTERVAL_S))
-            except queue.Empty:
-                pass
-            self._judge_liveness()
-            if self._failures and first_failure_at is None:
-                first_failure_at = time.monotonic()
-                self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
-                server.abort(f"rank {self._failures[0].rank} failed")
-            self._refresh()
-        if self._failures:
-            self._raise_failure()
-        self.record.status = "done"
-        self._collect_results()
-
-    def _judge_liveness(self) -> None:
-        """Fail the ranks whose owners saw them stopped, or fell silent, for the peer timeout."""
-        timeout = self._liveness.peer_timeout_s
-        for rank, verdict in self._liveness.verdicts(time.monotonic()):
-            record = self.record.ranks[rank]
-            if record.ended:
-                continue
-            if verdict is Verdict.STOPPED:
-                self.handle(RankFailed(
-                    rank, record.host, FailureKind.STOPPED, "",
-                    f"stopped: its process has been stopped for {timeout:g} s (by SIGSTOP, "
-                    "Ctrl-Z, or a debugger)", at_ns=time.monotonic_ns()))
-            else:
-                self.handle(RankFailed(
-                    rank, record.host, FailureKind.UNREACHABLE, "",
-                    f"{record.host or 'its host'} stopped answering: no word from the task "
-                    f"that runs it for {timeout:g} s", at_ns=time.monotonic_ns()))
-
-    def _settled(self, since_first_failure: float) -> bool:
-        """Have the failures of this moment all come in, and the failed ranks' last words?
-        (None are coming from a host that stopped answering, or from a stopped process.)"""
-        if since_first_failure < FAILURE_SETTLE_S:
-            return False
-        return (not self._exits_follow_output or since_first_failure >= LAST_WORDS_TIMEOUT_S
-                or all(self.record.ranks[f.rank].exit_code is not None for f in self._failures
-                       if f.kind not in (FailureKind.UNREACHABLE, FailureKind.STOPPED)))
-
-    def handle(self, event) -> None:
-        record = self.record
-        if isinstance(event, ProcessExited):
-            self._liveness.forget(event.rank)
-            rank = record.ranks[event.rank]
-            rank.record_exit(event.returncode)
-            if event.output:
-                self._logs[event.rank].write(event.output)
-            # A running rank's end is reported by its control connection, in order after its
-            # last words; only a rank that never connected is reported here.
-            printed = event.output or "\n".join(self._output_before_start.pop(event.rank, []))
-            if rank.status is RankStatus.STARTING and event.returncode is None:  # it could not start
-                self.handle(RankFailed(event.rank, event.host, FailureKind.FAILED_TO_START, "",
-                                       printed, at_ns=time.monotonic_ns()))
-            elif rank.status is RankStatus.STARTING:
-                self.handle(RankFailed(event.rank, rank.host or event.host,
-                                       FailureKind.FAILED_TO_START, printed,
-                                       describe_exit(event.returncode), event.returncode,
-                                       time.monotonic_ns()))
-            return
-        if isinstance(event, RankProcessState):
-            if not record.ranks[event.rank].ended:
-                self._liveness.reported(event.rank, ProcessState(event.state), time.monotonic(),
-                                        event.periodic)
-            return
-        if isinstance(event, TimelineBatch):
-            if self._trace is not None:
-                self._trace.write(event.rank, event.events)
-            self.display.handle(event)  # the live lanes and the running summary
-            return
-        if isinstance(event, TimelineStarted):
-            self._start_trace(event.path)
-            return
-        if isinstance(event, RanksPlaced):
-            self._tasks_started.add(event.reporter)
-            self._placement = self._placement or event.executors
-            if self._host_probes is not None:
-                self._host_probes.start(event.executors)
-            return
-        if isinstance(event, HostUnanswered):
-            self._fail_if_nothing_came(event)
-            return
-        rank = record.ranks[event.rank]
-        if isinstance(event, RankStarted):
-            rank.apply(event)
-            self._output_before_start.pop(event.rank, None)
-            if self._trace is not None:
-                self._trace.add_rank(event.rank, event.host)
-        elif isinstance(event, RankOutput):
-            self._logs[event.rank].write(event.text + "\n")
-            if rank.status is RankStatus.STARTING:
-                self._output_before_start.setdefault(event.rank, []).append(event.text)
-        elif isinstance(event, RankFinished):
-            self._liveness.forget(event.rank)
-            rank.apply(event)
-            self._results[event.rank] = event.result
-        elif isinstance(event, RankFailed):
-            self._record_failure(rank, event)
-            return  # shown by _raise_failure, once the failures of this moment are all in
-        self.display.handle(event)
-
-    def _placed_on(self, ranks: list[int]) -> str:
-        """', placed on executors at 10.0.0.3:4242', where known."""
-        if not self._placement:
-            return ""
-        return ", placed on executors at " + ", ".join(sorted({self._placement[r] for r in ranks}))
-
-    def _fail_if_nothing_came(self, unanswered: HostUnanswered) -> None:
-        """A host that ranks were placed on does not answer: unless something came from one
-        of its ranks or their tasks, they cannot start, and the run fails naming the host."""
-        ranks = self.record.ranks
-        if any(rank in self._tasks_started or ranks[rank].status is not RankStatus.STARTING
-               for rank in unanswered.ranks):
-            return  # it was there: its ranks are slow to start, or behind a firewall
-        for rank in unanswered.ranks:
-            self.handle(RankFailed(rank, unanswered.host, FailureKind.UNREACHABLE, "",
-                                   f"{unanswered.host} does not answer", at_ns=unanswered.at_ns))
-
-    def _start_trace(self, path: str) -> None:
-        """The first rank to call hvd.start_timeline(path) decides where the run's trace goes."""
-        if self._trace is not None:
-            return
-        self._trace = _open_trace(path)
-        self.record.timeline_path = path
-        for rank in self.record.ranks:
-            if rank.started_at is not None:
-                self._trace.add_rank(rank.rank, rank.host)
-
-    def _record_failure(self, rank: RankRecord, failure: RankFailed) -> None:
-        if rank.ended:
-            return  # the process exit and the lost connection report the same end
-        if self._stopping or failure.exit_code == ABORTED_EXIT_CODE:
-            rank.end(RankStatus.STOPPED)  # because another rank failed, or the run was interrupted
-            return
-        # A lost connection may yet be a rank that we stopped, or one that died on its own:
-        # `_raise_failure` decides, by when it happened and by its exit status.
-        rank.apply(failure)
-        if failure.traceback:
-            self._logs[failure.rank].write(failure.traceback)
-        self._failures.append(failure)
-
-    def drain(self, events: queue.Queue) -> None:
-        """Handle what arrived while stopping (last lines, exit codes)."""
-        self._stopping = True
-        while True:
-            try:
-                self.handle(events.get_nowait())
-            except queue.Empty:
-                return
-
-    def close(self, status: str) -> None:
-        record = self.record
-        record.status = status
-        record.ended_at = time.time()
-        for rank in record.ranks:
-            if not rank.ended:
-                rank.end(RankStatus.STOPPED)
-            elif rank.status is RankStatus.DONE and rank.exit_code == -signal.SIGKILL:
-                # It had reported its result: the run stands, and the log says why it was killed.
-                self._logs[rank.rank].write(
-                    "ddl_magic: this rank had finished, but its process did not exit when the "
-                    "run ended (a destructor or a thread of its own held it); it was killed\n")
-        for log in self._logs.values():
-            log.close()
-        if self._trace is not None:
-            self._trace.close()
-        self.display.finish({"done": "done", "interrupted": "interrupted"}.get(status, "failed"))
-
-    def _refresh(self) -> None:
-        now = time.monotonic()
-        if now - self._last_refresh >= REFRESH_INTERVAL_S:
-            self._last_refresh = now
-            self.display.refresh()
-
-    def _raise_failure(self) -> None:
-        """Show and raise the failure that caused the others (`attribution.py` decides), then
-        the ranks it took down."""
-        records = self.record.ranks
-        verdict = attribute(self._failures,
-                            [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
-                             for r in records],
-                            self._aborted_at_ns, self._describe_lost, peer_timeout_s())
-        for rank in verdict.stopped:
-            records[rank].end(RankStatus.STOPPED)  # the driver stopped it
-            records[rank].failure = None
-        for rank, reason in verdict.failed.items():
-            records[rank].end(RankStatus.FAILED, reason)
-        for failure in verdict.failures:
-            self.display.handle(failure)
-        cause = verdict.cause
-        self.record.status = "failed"
-        self.record.error = f"rank {cause.rank} failed: {cause.reason}"
-        raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
-                              cause.exit_code, self.record)
-
-    def _collect_results(self) -> None:
-        values = [cloudpickle.loads(b) if b is not None else None
-                  for _, b in sorted(self._results.items())]
-        self.record.result = values[0]
-        self.record.results = values

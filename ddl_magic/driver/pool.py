@@ -3,7 +3,7 @@
 A `Pool` starts N ranks once (through a launcher, as a `Job` does), which form their ring
 once and then run cell after cell, each in its own namespace that persists. A cell is a
 run of its own for the user (its run view, its `RunResult`, `last_run()`), watched by the
-same `_RunWatcher` as a one-shot run; what differs is what happens at its end:
+same `RunWatcher` as a one-shot run; what differs is what happens at its end:
 
     the cell succeeded        ranks idle, ring kept, namespaces kept
     a rank raised             the others' cells are stopped (`CancelCell`): their
@@ -52,12 +52,14 @@ from .control import ControlServer
 from .display import DisplayFactory, text_display
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
                      RankStarted)
-from .job import (REGISTER_TIMEOUT_S, RankFailedError, RunResult, RunTimeoutError, _RunWatcher)
+from .run_result import RankFailedError, RunResult, RunTimeoutError
+from .run_status import RunStatus
+from .watcher import REGISTER_TIMEOUT_S, RunWatcher
 from .records import RankStatus, new_records
 from .run_folders import prune_run_folders
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..wire.channel import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
-from ..wire.messages import (CELL_END_MARK, CancelCell, CellEnded, Failed, Finished,
+from ..wire.messages import (CELL_END_MARK, CancelCell, RunSettings, CellEnded, Failed, Finished,
                              FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
 
 # After a cell was stopped, how long its ranks may take to end it. One that has not by then
@@ -189,8 +191,8 @@ class Pool:
             env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
         if self.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
-        settings = {"env": env, "run_id": pool_id, "timeline": self.timeline_path is not None,
-                    "return_all": False, "pool": True}
+        settings = RunSettings(pool_id, env, timeline=self.timeline_path is not None,
+                               return_all=False, pool=True)
         secret = new_secret()
         self._events = queue.Queue()
         self._gone = {}
@@ -276,7 +278,7 @@ class Pool:
         _job._last_run = record  # `last_run()` is the last cell
         display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
                                title=title or f"pool cell {self.cells}", timeline_path=timeline)
-        watcher = _RunWatcher(record, display, timeline)
+        watcher = RunWatcher(record, display, timeline)
         for rank in range(self.np):
             if rank in selected:
                 watcher.handle(RankStarted(rank, self.hosts[rank], self.pids[rank]))
@@ -288,30 +290,30 @@ class Pool:
         self.state = PoolState.RUNNING
         self._running_ranks = set(selected)
         only = tuple(selected) if ranks is not None and len(selected) < self.np else None
-        outcome = "failed"
+        outcome = RunStatus.FAILED
         try:
             display.display()
             for rank in selected:
                 self._server.send(rank, RunCell(epoch, task, return_all, only))
             watcher.watch(events, self._server, timeout_s)
-            outcome = "done"
+            outcome = RunStatus.DONE
         except KeyboardInterrupt:
-            outcome = "interrupted"
+            outcome = RunStatus.INTERRUPTED
             raise
         except RunTimeoutError:
             raise RunTimeoutError(f"the cell ran past its timeout of {timeout_s:g} s and was "
                                   "stopped on every rank; the ranks stay up, with their state. "
                                   f"Logs: {cell_dir}") from None
         finally:
-            if outcome != "done":
-                self._server.abort("the cell was interrupted" if outcome == "interrupted"
-                                   else "the cell timed out" if record.status == "timed out"
+            if outcome is not RunStatus.DONE:
+                self._server.abort("the cell was interrupted" if outcome is RunStatus.INTERRUPTED
+                                   else "the cell timed out" if record.status is RunStatus.TIMED_OUT
                                    else "the cell failed")
             self._server.end_cell()
             try:
                 self._finish_cell(events, watcher, selected)
             finally:
-                watcher.close(record.status if record.status in ("failed", "timed out") else outcome)
+                watcher.close(outcome)
                 self._running_ranks = set()
                 self._after_cell()
         if selected != list(range(self.np)):
@@ -319,7 +321,7 @@ class Pool:
             record.result = record.results[0]
         return record
 
-    def _finish_cell(self, events: "_CellEvents", watcher: _RunWatcher, selected: list[int]) -> None:
+    def _finish_cell(self, events: "_CellEvents", watcher: RunWatcher, selected: list[int]) -> None:
         """Wait until every rank of the cell ended it (or was lost), at most `STOP_GRACE_S`."""
         watcher.drain(events)
         deadline = time.monotonic() + STOP_GRACE_S

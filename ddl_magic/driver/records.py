@@ -3,8 +3,8 @@
 display) render.
 
 The driver updates the records: `RankRecord.apply` takes the facts an event states (a rank
-started, finished, or reported a failure), and the driver's attribution (`job.py`) decides
-the rest, such as whether a rank that went silent failed or was stopped. A display given no
+started, finished, or reported a failure), and the driver's attribution (`attribution.py`)
+decides the rest, such as whether a rank that went silent failed or was stopped. A display given no
 records keeps its own from the events it is shown, through the same `apply`.
 """
 

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 
 from .attribution import describe_exit
 from .records import RankRecord, RankStatus
+from .run_status import RunStatus
 
 if TYPE_CHECKING:
-    from .job import RunResult
+    from .run_result import RunResult
 
 STATUS_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
                   "interrupted": "#fb8c00", "timed out": "#fb8c00", "starting": "#9e9e9e",
@@ -43,7 +44,8 @@ def exit_status(code: int | None) -> str:
 
 def run_headline(run: RunResult) -> str:
     """'done in 3.6 s on local processes (2 ranks)'."""
-    verb = {"done": "done in", "running": "running for"}.get(run.status, f"{run.status} after")
+    verb = {RunStatus.DONE: "done in", RunStatus.RUNNING: "running for"}.get(
+        run.status, f"{run.status} after")
     return f"{verb} {run.duration_s:.1f} s on {run.where} ({run.np} ranks)"
 
 

@@ -27,6 +27,7 @@ from typing import TextIO
 
 from .events import Event, RankFailed, RankOutput, TimelineBatch
 from .records import RankRecord, new_records
+from .run_status import SHOWN_ENDS, RunStatus
 from .tracebacks import without_machinery_frames
 
 PROGRESS_INTERVAL_S = 2.0
@@ -46,7 +47,7 @@ class TextDisplay:
 
         display = TextDisplay(2, log_dir="/tmp/ddl_magic/run-1")
         display.handle(RankOutput(rank=0, stream="stdout", text="hello"))  # prints "[0] hello"
-        display.finish("done")
+        display.finish(RunStatus.DONE)
     """
 
     def __init__(
@@ -118,9 +119,9 @@ class TextDisplay:
         self._print_timeline_summary(only_if_due=True)
         self._flush()
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: RunStatus) -> None:
         """Print the last progress lines and one closing line; calling it again prints nothing."""
-        if status not in ("done", "failed", "interrupted"):
+        if status not in SHOWN_ENDS:
             raise ValueError(f"status must be 'done', 'failed' or 'interrupted', got {status!r}")
         if self._finished:
             return
@@ -129,7 +130,7 @@ class TextDisplay:
             self._print_progress(rank)
         self._print_timeline_summary()
         elapsed = f"{self._clock() - self._started_at:.1f} s"
-        if status == "done":
+        if status == RunStatus.DONE:
             summary = f"done: {self.np} ranks in {elapsed}"
         else:
             summary = f"{status} after {elapsed}"

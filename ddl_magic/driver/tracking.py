@@ -42,8 +42,11 @@ from dataclasses import dataclass
 from logging import ERROR, getLogger
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from .run_status import RunStatus
+
 if TYPE_CHECKING:
-    from .job import JobOptions, RunResult
+    from .job import JobOptions
+    from .run_result import RunResult
 
 AUTOMATIC_VARIABLE = "DDL_MAGIC_MLFLOW"
 INSTALL_HINT = 'pip install "ddl_magic[mlflow]"'
@@ -53,7 +56,8 @@ _PROMPT_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST
 _PARENT_RUN_TAG = "mlflow.parentRunId"
 _TAG_LIMIT = 5000  # characters MLflow keeps of a tag's value
 _METRICS_PER_BATCH = 1000  # the most one log_batch request takes
-_STATUSES = {"done": "FINISHED", "interrupted": "KILLED"}  # anything else ended as FAILED
+# MLflow's status for how a run ended; anything else ended as FAILED
+_STATUSES = {RunStatus.DONE: "FINISHED", RunStatus.INTERRUPTED: "KILLED"}
 
 
 class TrackingWarning(UserWarning):

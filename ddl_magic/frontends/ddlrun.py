@@ -25,7 +25,8 @@ import signal
 import sys
 
 from .options import make_display
-from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError
+from ..driver.job import Job, JobOptions
+from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..launch.local import LocalLauncher
 from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
 

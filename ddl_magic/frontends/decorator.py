@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, RankFailedError, RunResult
+from ..driver.job import Job, JobOptions
+from ..driver.run_result import RankFailedError, RunResult
 from ..launch import spark_session
 from .runner import make_launcher
 

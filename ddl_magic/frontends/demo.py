@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from ..driver.job import RankFailedError, RunTimeoutError
+from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..launch.local import prewarm
 from .runner import HorovodRunner
 

@@ -12,8 +12,10 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .options import make_display, shows_run_view
 from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
-from ..driver.job import Job, JobOptions, RankFailedError, RunTimeoutError, last_run
+from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
+from ..driver.run_result import RankFailedError, RunTimeoutError
+from ..driver.run_status import RunStatus
 from .ddlrun import parse_env
 from .pool_magic import run_cell_on_pool, run_line, transform_body
 from .runner import make_launcher
@@ -154,7 +156,7 @@ class HorovodMagics(Magics):
         except KeyboardInterrupt:
             record = last_run()
             logs = (f"; their logs are in {record.log_dir}"
-                    if record is not None and record.status == "interrupted" else "")
+                    if record is not None and record.status is RunStatus.INTERRUPTED else "")
             raise CellInterrupted(f"the cell was interrupted and every rank stopped{logs}") from None
         if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
             from .. import show_timeline

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, RunResult
+from ..driver.job import Job, JobOptions
+from ..driver.run_result import RunResult
 from ..launch import spark_session
 from ..launch.local import LocalLauncher
 from ..driver.tracking import check_setting

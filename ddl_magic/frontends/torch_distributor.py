@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, RunResult
+from ..driver.job import Job, JobOptions
+from ..driver.run_result import RunResult
 from .runner import make_launcher
 from ..wire.tasks import ScriptTask
 

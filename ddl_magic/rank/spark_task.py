@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from ..wire.channel import HANDSHAKE_TIMEOUT_S, Channel
+from ..wire.channel import CONNECT_TIMEOUT_S, Channel
 from ..wire.messages import TaskAlive, TaskExited, TaskOutput, TaskStarted
 
 
@@ -161,7 +161,7 @@ class TaskRelay:
 
     def __init__(self, control_address: tuple[str, int], secret: bytes, rank: int):
         self.rank = rank
-        self._channel = Channel.connect(control_address, secret, "task", HANDSHAKE_TIMEOUT_S)
+        self._channel = Channel.connect(control_address, secret, "task", CONNECT_TIMEOUT_S)
         self._channel.sock.settimeout(None)
         self._lock = threading.Lock()  # stdout and stderr are forwarded from two threads
 

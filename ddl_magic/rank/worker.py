@@ -38,7 +38,7 @@ from ..wire.messages import FailureKind
 from ..wire.messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
                        TimelineEvents, TimelineStart)
 from ..wire.output_lines import forward_lines
-from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
+from ..wire.channel import ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError
 from .environment import rank_environment, reserve_port
 from ..runtime import context
 from ..runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, HorovodInternalError
@@ -47,7 +47,6 @@ from ..runtime.world import Peer, derive_world
 from ..torch import backend as torch_backend
 from ..torch.group_lifetime import keep_destroyed_groups_alive
 
-CONNECT_TIMEOUT_S = 30.0
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddl_magic/
@@ -103,27 +102,27 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
             return ABORTED_EXIT_CODE
         case other:
             raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
-    os.environ.update(settings["env"])
-    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings["run_id"]))
+    os.environ.update(settings.env)
+    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
     torch_backend.register()
     keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
-    if settings.get("pool"):  # a rank that lives between cells: `cells.py` from here on
+    if settings.pool:  # a rank that lives between cells: `cells.py` from here on
         from .cells import serve_cells
 
         if store_port is not None:
             store_port.close()
         output = _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel)
-        if settings["timeline"]:
+        if settings.timeline:
             start_timeline_shipping()
         return serve_cells(channel, rank, output, run_reporting, _flush_timeline, _driver_time_ns)
     threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
-    if settings["timeline"]:
+    if settings.timeline:
         start_timeline_shipping()
     if store_port is not None:
         store_port.close()
     with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
-        exit_code, report = _run_task(task_bytes, rank, settings["return_all"])
+        exit_code, report = _run_task(task_bytes, rank, settings.return_all)
     # A torch.distributed process group the task left open ends with this process, which
     # exits right after reporting, without running any destructor.
     stop_timeline_shipping()

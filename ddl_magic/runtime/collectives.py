@@ -18,9 +18,10 @@ import torch
 
 from .. import kernels
 from .negotiation import Request, Response
-from .planes import DataPlane, SharedMemoryPlane
+from .planes import DataPlane
 from .reduce_ops import ReduceOp
 from .planes.shared_memory import BUFFER_BYTES, MESSAGE_BYTES
+from .planes.shared_memory_plane import SharedMemoryPlane
 from .timeline import recorder
 
 

@@ -15,15 +15,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .errors import NotInitializedError
+from . import rendezvous
 from .collectives import CollectiveRunner
+from .errors import NotInitializedError
 from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
-from .planes import SharedMemoryPlane, choose_plane
+from .planes import choose_plane
+from .planes.shared_memory_plane import SharedMemoryPlane
+from .planes.tcp import RingTransport
 from .settings import Settings
-from .planes.shared_memory import connect_host_group
-from .planes.tcp import RingTransport, connect_ring
 from .world import Peer, World, derive_world, single_process_world
 
 
@@ -76,11 +77,13 @@ def init() -> Runtime:
         settings = Settings.from_environment()
         if bootstrap is None:
             world = single_process_world()
-            transport = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
-            _runtime = _runtime_over(world, transport, None, None, settings)
+            alone = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
+            _runtime = _runtime_over(world, rendezvous.Connections(alone, None, None), settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
-            _runtime = _connect(world, bootstrap.listener, settings)
+            _runtime = _runtime_over(world, rendezvous.connect(world, bootstrap.listener,
+                                                               bootstrap.secret, settings),
+                                     settings)
         if os.environ.get("DDL_MAGIC_GPU") == "1":
             _pin_gpu(world.local_rank)
         return _runtime
@@ -98,16 +101,16 @@ def connect_subset(members: tuple[int, ...], ports: dict[int, int],
     """Form a ring over `members` (global ranks, ascending; this rank among them), each
     listening on `ports[rank]` at its usual address, and run collectives over it.
 
-    Every member calls this with the same `members` and `ports`, agreed over the run's ring.
+    Every member calls this with the same `members` and `ports`, agreed over the run's ring
+    (`rendezvous.gather`).
     """
-    peers = [Peer(index, bootstrap.peers[rank].host,
-                  (bootstrap.peers[rank].address[0], ports[rank]))
-             for index, rank in enumerate(members)]
-    world = derive_world(members.index(bootstrap.rank), peers, run_ranks=members)
+    world = rendezvous.process_set_world(bootstrap.peers, bootstrap.rank, members, ports)
     try:
-        runtime = _connect(world, listener, Settings.from_environment())
+        settings = Settings.from_environment()
+        connections = rendezvous.connect(world, listener, bootstrap.secret, settings)
     finally:
         listener.close()
+    runtime = _runtime_over(world, connections, settings)
     with _lock:
         _subsets.append(runtime)
     return runtime
@@ -122,36 +125,17 @@ def close_subset(runtime: Runtime) -> None:
     runtime.queue.close()
 
 
-def _connect(world: World, listener: socket.socket, settings: Settings) -> Runtime:
-    """Connect this rank's ring in `world`, plus shared memory and a cross ring where they help."""
-    host_group = None
-    hierarchical = settings.hierarchical and settings.transport != "tcp" and world.uniform_hosts
-    transport, cross = connect_ring(world, listener, bootstrap.secret, timeout=settings.timeout_s,
-                                    op_timeout=settings.timeout_s, cross=hierarchical)
-    try:
-        if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
-            host_group = connect_host_group(world, transport.coordination, settings.transport,
-                                            settings.timeout_s)
-    except BaseException:
-        transport.close()
-        if cross is not None:
-            cross.close()
-        raise
-    if host_group is None and cross is not None:  # no shared memory: the flat ring
-        cross.close()
-        cross = None
-    return _runtime_over(world, transport, host_group, cross, settings)
-
-
-def _runtime_over(world, transport, host_group, cross, settings) -> Runtime:
-    plane = choose_plane(transport, host_group, cross)  # once per ring (a process set's too)
+def _runtime_over(world: World, connections: rendezvous.Connections,
+                  settings: Settings) -> Runtime:
+    # the plane is chosen once per ring (a process set's too)
+    plane = choose_plane(connections.ring, connections.host_group, connections.cross)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if isinstance(plane, SharedMemoryPlane):  # one host: negotiate in lockstep through it too
-        queue: OpQueue = SharedMemoryOpQueue(runner, host_group, settings.fusion_threshold,
+        queue: OpQueue = SharedMemoryOpQueue(runner, connections.host_group, settings.fusion_threshold,
                                              settings.cycle_time_s, settings.stall_time_s,
                                              settings.timeout_s)
     else:
-        queue = TcpOpQueue(runner, transport, settings.fusion_threshold,
+        queue = TcpOpQueue(runner, connections.ring, settings.fusion_threshold,
                            settings.cycle_time_s, settings.stall_time_s)
     return Runtime(world, queue, plane.name)
 

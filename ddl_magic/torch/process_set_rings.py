@@ -3,18 +3,18 @@
     >>> evens = hvd.add_process_set([0, 2])             # every rank calls it, member or not
     >>> hvd.remove_process_set(evens)                   # every rank again
 
-Its members open a listener, every rank learns their ports through one allgather over the
-run's ring (which also checks that every rank added the same set), and the members connect
-as `init()` connects all ranks, with shared memory where they share a host.
+Its members open a listener, every rank learns their ports through one gather over the
+run's ring (`rendezvous.gather`, which also checks that every rank added the same set),
+and the members connect as `init()` connects all ranks, with shared memory where they
+share a host.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..runtime import context
-from .functions import allgather_object
-from .process_sets import ProcessSet, added_sets, entered, global_process_set
+from ..runtime import context, rendezvous
+from .process_sets import ProcessSet, added_sets, global_process_set
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -26,14 +26,15 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    everyone = context.current("add_process_set").world
+    run = context.current("add_process_set")  # gathered over its ring, whatever set is active
+    everyone = run.world
     registry = added_sets("add_process_set")
     ranks = process_set.ranks
     set_id = max(registry, default=0) + 1
     listener = context.subset_listener() if everyone.rank in ranks else None
     try:
-        offers = _every_ranks((ranks, listener and listener.getsockname()[1]),
-                              f"add_process_set.{set_id}")
+        offers = rendezvous.gather((ranks, listener and listener.getsockname()[1]),
+                                   rendezvous.over_op_queue(run.queue, f"add_process_set.{set_id}"))
         for other, (their_ranks, _) in enumerate(offers):
             if their_ranks != ranks:
                 raise ValueError(f"add_process_set: every rank must add the same sets in the "
@@ -57,12 +58,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     process_set.process_set_id = set_id
     registry[set_id] = process_set
     return process_set
-
-
-def _every_ranks(obj, name: str) -> list:
-    """Every rank's `obj`, gathered over the run's ring whatever set is active."""
-    with entered(global_process_set):
-        return allgather_object(obj, name=name)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

@@ -31,6 +31,7 @@ import ipywidgets as widgets
 
 from ..driver.events import Event, RankFailed, RankOutput, TimelineBatch
 from ..driver.records import RankRecord, RankStatus, new_records
+from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
 
 STATUS_COLOURS = {
@@ -40,7 +41,8 @@ STATUS_COLOURS = {
     "failed": "#e53935",
     "stopped": "#757575",  # the run ended (interrupted, or another rank failed) before this rank did
 }
-OUTCOME_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935", "interrupted": "#fb8c00"}
+OUTCOME_COLOURS = {RunStatus.RUNNING: "#1e88e5", RunStatus.DONE: "#43a047", RunStatus.FAILED: "#e53935",
+                   RunStatus.INTERRUPTED: "#fb8c00"}
 FAILED_ROW_BACKGROUND = "#ffebee"
 LAST_LINE_CHARS = 160
 LOG_HEIGHT = "360px"
@@ -116,7 +118,7 @@ class RunView:
         for event in events:           # the driver's drain loop
             view.handle(event)
             view.refresh()             # the driver calls this at most every ~100 ms
-        view.finish("done")
+        view.finish(RunStatus.DONE)
     """
 
     def __init__(self, ranks: int | list[RankRecord], title: str, log_dir: str | None,
@@ -142,7 +144,7 @@ class RunView:
         self._all = BoundedLog(max_lines)
         self._all_changed = True
         self._failures: dict[int, RankFailed] = {}  # as shown: the first is the cause
-        self._outcome = "running"
+        self._outcome = RunStatus.RUNNING
         self._started_at = time.monotonic()
         self._finished_at: float | None = None
 
@@ -216,17 +218,17 @@ class RunView:
         """Open rank ``rank``'s log tab (what clicking one of its lanes does)."""
         self._tabs.selected_index = self._rank(rank).rank + 1
 
-    def finish(self, status: str) -> None:
-        """End the run with ``status`` ("done", "failed" or "interrupted"): final banner, clocks stop.
+    def finish(self, status: RunStatus) -> None:
+        """End the run with ``status`` (done, failed or interrupted): final banner, clocks stop.
 
         Ranks that had not ended are marked "stopped". Calling it again changes nothing.
         """
-        if status not in ("done", "failed", "interrupted"):
+        if status not in SHOWN_ENDS:
             raise ValueError(f"status must be 'done', 'failed' or 'interrupted', got {status!r}")
         if self._finished_at is not None:
             return
         self._finished_at = time.monotonic()
-        self._outcome = status
+        self._outcome = RunStatus(status)
         for record in self._records:
             if not record.ended:
                 record.end(RankStatus.STOPPED)
@@ -425,10 +427,10 @@ class RunView:
 
     def _outcome_summary(self, now: float) -> str:
         elapsed = _format_elapsed(now - self._started_at)
-        if self._outcome == "running":
+        if self._outcome is RunStatus.RUNNING:
             done = sum(record.status is RankStatus.DONE for record in self._records)
             return f"running · {done}/{self.np} done · {elapsed}"
-        if self._outcome == "done":
+        if self._outcome is RunStatus.DONE:
             return f"done in {elapsed}"
         return f"{self._outcome} after {elapsed}"
 

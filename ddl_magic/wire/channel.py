@@ -37,6 +37,9 @@ _HANDSHAKE_FRAME_LIMIT = 256
 # How long a peer that connected may take to prove the run's secret (and, for a rank, to
 # register) before the connection is dropped.
 HANDSHAKE_TIMEOUT_S = 10.0
+# How long a rank, or the Spark task that starts it, may take to reach the driver and prove the
+# secret: a driver busy starting other ranks under load answers late, not never.
+CONNECT_TIMEOUT_S = 30.0
 PEER_TIMEOUT_VARIABLE = "DDL_MAGIC_PEER_TIMEOUT"
 DEFAULT_PEER_TIMEOUT_S = 10.0
 _KEEPALIVE_PROBES = 3

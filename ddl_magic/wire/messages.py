@@ -7,7 +7,7 @@ Who sends what:
 
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
                          Finished, Failed
-    driver ──► rank      ClockReading, Start, Abort
+    driver ──► rank      ClockReading, Start (with the run's RunSettings), Abort
     task ──► driver      TaskStarted, TaskAlive, TaskOutput, TaskExited
                          (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
@@ -67,13 +67,25 @@ class Register:
 
 
 @dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What every rank of a run is told with its task, written by the driver (`driver/job.py`)
+    and read by the rank (`rank/worker.py`)."""
+
+    run_id: str  # the run's name; torch.distributed's too (TORCHELASTIC_RUN_ID)
+    env: dict[str, str]  # set in the rank's environment before its task runs
+    timeline: bool  # the rank records its timeline from the start and ships it to the driver
+    return_all: bool  # every rank sends back its task's return value, not only rank 0
+    pool: bool = False  # no task: the rank serves a pool's cells until stopped (`rank/cells.py`)
+
+
+@dataclass(frozen=True, slots=True)
 class Start:
-    """Every rank registered: the peer table (rank, host, ring address), the task and its
-    settings, and where torch.distributed's store listens."""
+    """Every rank registered: the peer table (rank, host, ring address), the task and the
+    run's settings, and where torch.distributed's store listens."""
 
     peers: list[tuple[int, str, tuple[str, int]]]
     task: bytes
-    settings: dict
+    settings: RunSettings
     torch_master: tuple[str, int] | None
 
 

@@ -3,8 +3,9 @@
 Every rank owns one segment, created with ``memfd_create``: it has no name in ``/dev/shm``,
 so nothing can be left behind there, whatever kills whom. Its neighbours on the host map it
 through ``/proc/<pid>/fd/<fd>`` (the owner's pid and descriptor travel over the run's
-authenticated coordination channels), and the memory lives until the last of them unmaps
-it. A segment holds two counters and two data buffers::
+authenticated coordination channels when the ring forms: `rendezvous.connect_host_group`),
+and the memory lives until the last of them unmaps it. A segment holds two counters and two
+data buffers::
 
     rank r's segment:   [ progress  doorbell | buffer 0 | buffer 1 ]
                           counters             (BUFFER_BYTES each)
@@ -82,7 +83,6 @@ from . import futex
 from ..errors import CollectiveAbortedError, PeerLostError
 from .peer_memory import BUFFER_BYTES, CudaIpcMemory, HostMemory, PeerMemory
 from .ring import chunk_bounds
-from ..settings import TRANSPORT_VARIABLE
 from ..world import World
 
 HEADER_BYTES = 4096  # the counters, on their own page
@@ -541,79 +541,3 @@ class HostGroup:
             neighbour.segment.close()
             os.close(neighbour.pidfd)
         self.own.close()
-
-
-# ---- forming the groups at init() ----------------------------------------------------------
-
-def connect_host_group(world: World, coordination: dict, choice: str,
-                       op_timeout: float) -> HostGroup | None:
-    """Map the segments of this rank's host neighbours; None where the ranks use TCP instead.
-
-    Every rank calls this at `init()`, right after the ring is connected. Whether shared
-    memory is wanted at all follows from the peer table and `choice`, the same on every
-    rank; whether it works is agreed over the coordination channels, so either every host
-    uses it or none does, and `shm` that cannot work is an error on every rank.
-    """
-    if choice == "tcp" or len(world.hosts) == world.size:  # no host has two ranks
-        return None
-    on_this_host = world.ranks_on(world.peers[world.rank].host)
-    own = Segment.create() if supported() else None
-    offers = _exchange(world, coordination, (os.getpid(), own.fd) if own else None, op_timeout)
-    neighbours: dict[int, Neighbour] = {}
-    problem = None
-    if own is None:
-        problem = ("shared memory between processes needs x86-64 Linux (memfd, futex, pidfd); "
-                   f"this is {os.uname().sysname} on {os.uname().machine}")
-    else:
-        try:
-            for rank in on_this_host:
-                if rank != world.rank:
-                    pid, fd = offers[rank]
-                    neighbours[rank] = Neighbour(rank, Segment.open(pid, fd), os.pidfd_open(pid))
-        except (OSError, TypeError) as exc:
-            problem = f"rank {world.rank} could not map rank {rank}'s memory on the same host: {exc}"
-    problems = [p for p in _exchange(world, coordination, problem, op_timeout) if p]
-    if own is not None:
-        os.close(own.fd)  # every neighbour has mapped it (or given up): the mappings keep it alive
-        own.fd = None
-    if problems:
-        for neighbour in neighbours.values():
-            neighbour.segment.close()
-            os.close(neighbour.pidfd)
-        if own is not None:
-            own.close()
-        if choice == "shm":
-            raise RuntimeError(f"{TRANSPORT_VARIABLE}=shm, but shared memory cannot be used: "
-                               f"{problems[0]}. Set {TRANSPORT_VARIABLE}=auto to fall back to TCP.")
-        if world.rank == 0:
-            print(f"ddl_magic note: ranks on one host use TCP, not shared memory: {problems[0]}",
-                  file=sys.stderr, flush=True)
-        return None
-    for neighbour in neighbours.values():
-        os.close(neighbour.segment.fd)
-        neighbour.segment.fd = None
-    return HostGroup(world, on_this_host, own, neighbours, op_timeout)
-
-
-def _exchange(world: World, coordination: dict, mine, timeout: float) -> list:
-    """Every rank's `mine`, in rank order, gathered and sent back by rank 0."""
-    channels = coordination.items()
-    try:
-        for _, channel in channels:
-            channel.sock.settimeout(timeout)
-        if world.rank != 0:
-            coordination[0].send(mine)
-            return coordination[0].recv()
-        gathered = [mine] + [None] * (world.size - 1)
-        for rank, channel in channels:
-            gathered[rank] = channel.recv()
-        for _, channel in channels:
-            channel.send(gathered)
-        return gathered
-    except (OSError, EOFError, ConnectionError) as exc:
-        rank = 0 if world.rank != 0 else next(iter(coordination))
-        raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
-                            f"lost while setting up shared memory: {exc}") from exc
-    finally:
-        for _, channel in channels:
-            channel.sock.settimeout(None)

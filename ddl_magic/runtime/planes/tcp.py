@@ -1,9 +1,6 @@
-"""TCP connections between ranks: one socket to the right ring neighbour, one from the left,
-and the coordination links to rank 0.
-
-The ring's order is the world's `ring_order()`: ranks host by host. Where hierarchical
-allreduce runs (several hosts, the same number of ranks on each, shared memory within
-them), every rank also joins a *cross ring* of the ranks with its local_rank, one per host.
+"""A rank's place in a TCP ring: one socket to the right ring neighbour, one from the left,
+and (on the run's ring) the coordination links to rank 0, all connected and authenticated
+by `rendezvous.connect_ring`.
 
 The ring needs full duplex: while a rank receives a chunk from its left neighbour it is
 sending another chunk to its right one. Receiving happens on the caller's thread; sending
@@ -17,10 +14,8 @@ from __future__ import annotations
 import queue
 import socket
 import threading
-import time
 
-from ...wire.channel import (HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError,
-                        recv_exactly)
+from ...wire.channel import Channel, PeerClosedError, recv_exactly
 from ..errors import PeerLostError
 from ..world import World
 
@@ -139,106 +134,3 @@ class RingTransport:
                 sock.close()
         for channel in self.coordination.values():
             channel.close()
-
-
-def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: float,
-                 op_timeout: float, cross: bool = False) -> tuple[RingTransport, RingTransport | None]:
-    """Open this rank's ring and coordination connections (and its cross ring if `cross`),
-    authenticating every one.
-
-    Each rank connects to its right neighbour in each ring (and, except rank 0, to rank 0)
-    and accepts the connection from its left neighbours (and, on rank 0, from every other
-    rank). A connection that fails the handshake is dropped and does not count; the run
-    goes on.
-    """
-    ring = world.ring_order()
-    if world.size == 1:
-        return RingTransport(world, ring, None, None, {}, op_timeout), None
-    deadline = time.monotonic() + timeout
-    rings = {"ring": ring, "cross": world.cross_ring_order()} if cross else {"ring": ring}
-    neighbours = {purpose: _neighbours(world.rank, members) for purpose, members in rings.items()}
-    expected = {(purpose, left) for purpose, (left, _) in neighbours.items()}
-    if world.rank == 0:
-        expected |= {("coord", r) for r in range(1, world.size)}
-    accepted: dict[tuple[str, int], Channel] = {}
-    acceptor = threading.Thread(
-        target=_accept_expected, args=(listener, secret, expected, accepted, deadline), daemon=True
-    )
-    acceptor.start()
-
-    def connect(rank: int, purpose: str) -> Channel:
-        try:
-            channel = Channel.connect(world.peers[rank].address, secret, purpose,
-                                      max(0.1, deadline - time.monotonic()))
-        except (OSError, AuthenticationError) as exc:
-            raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
-                                f"could not connect: {exc}") from exc
-        channel.send(world.rank)  # tells the acceptor who we are
-        return channel
-
-    rights = {purpose: connect(right, purpose) for purpose, (_, right) in neighbours.items()}
-    coordination = {} if world.rank == 0 else {0: connect(0, "coord")}
-    acceptor.join(max(0.0, deadline - time.monotonic()))
-    missing = expected - accepted.keys()
-    if missing:
-        kind, rank = sorted(missing)[0]
-        raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
-                            f"did not open its {kind} connection within {timeout:.0f} s")
-    if world.rank == 0:
-        coordination = {rank: accepted[("coord", rank)] for rank in range(1, world.size)}
-    transports = {
-        purpose: RingTransport(world, rings[purpose], rights[purpose].sock,
-                               accepted[(purpose, left)].sock,
-                               coordination if purpose == "ring" else {}, op_timeout)
-        for purpose, (left, _) in neighbours.items()
-    }
-    return transports["ring"], transports.get("cross")
-
-
-def _neighbours(rank: int, members: tuple[int, ...]) -> tuple[int, int]:
-    """(left, right) of `rank` in a ring of `members`."""
-    position = members.index(rank)
-    return members[(position - 1) % len(members)], members[(position + 1) % len(members)]
-
-
-def _accept_expected(listener: socket.socket, secret: bytes, expected: set, accepted: dict,
-                     deadline: float) -> None:
-    """Accept until every expected (purpose, rank) connection has proved the secret.
-
-    Each handshake runs on its own thread, so a stranger that connects and says nothing
-    cannot hold up the neighbours queued behind it.
-    """
-    lock = threading.Lock()
-    complete = threading.Event()
-
-    def authenticate(sock: socket.socket) -> None:
-        try:
-            channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord"},
-                                              min(HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
-        except (OSError, AuthenticationError, PeerClosedError):
-            return  # refused: it does not count, and the run goes on
-        try:
-            channel.sock.settimeout(max(0.1, deadline - time.monotonic()))
-            rank = channel.recv()
-            channel.sock.settimeout(None)
-            if not isinstance(rank, int):
-                raise ValueError(f"expected a rank, got {type(rank).__name__}")
-        except Exception:  # gone, silent, or its first message is no rank: refused the same way
-            channel.close()
-            return
-        with lock:
-            if (purpose, rank) in expected and (purpose, rank) not in accepted:
-                accepted[(purpose, rank)] = channel
-                if expected <= accepted.keys():
-                    complete.set()
-                return
-        channel.close()
-
-    listener.settimeout(0.05)  # bounds each wait so the loop sees `complete` and the deadline
-    while not complete.is_set() and time.monotonic() < deadline:
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        threading.Thread(target=authenticate, args=(sock,), daemon=True).start()
-    complete.wait(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,76 @@
+"""What a run leaves behind: its record (`RunResult`, what `ddl_magic.last_run()` returns),
+and the errors a failed or overlong run raises.
+
+Example::
+
+    >>> run = ddl_magic.last_run()              # doctest: +SKIP
+    >>> run.status, run.results                 # doctest: +SKIP
+    ('done', [0, 1])
+    >>> print(run.log(1))                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .records import RankRecord
+from .run_report import run_report_html, run_report_text
+from .run_status import RunStatus
+
+if TYPE_CHECKING:
+    from .tracking import TrackedRun
+
+
+class RunTimeoutError(TimeoutError):
+    """The run took longer than its timeout; every rank was stopped."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
+
+    def __init__(self, rank: int, host: str, reason: str, traceback: str, exit_code: int | None,
+                 run: RunResult):
+        where = f"rank {rank} ({host})" if host else f"rank {rank}"
+        super().__init__(f"{where} failed: {reason}" + (f"\n\n{traceback}" if traceback else ""))
+        self.rank, self.host, self.reason, self.traceback = rank, host, reason, traceback
+        self.exit_code = exit_code  # what the rank exited with (negative: killed by that signal)
+        self.run = run
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind for later cells (`ddl_magic.last_run()`)."""
+
+    run_id: str
+    np: int
+    where: str
+    status: RunStatus = RunStatus.RUNNING
+    ranks: list[RankRecord] = field(default_factory=list)
+    result: Any = None
+    results: list[Any] | None = None
+    log_dir: str = ""
+    timeline_path: str | None = None
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    error: str | None = None
+    mlflow: TrackedRun | None = None  # the MLflow run it logged to, if tracked (tracking.py)
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)  # also given as its word: RunResult(..., status="done")
+
+    @property
+    def duration_s(self) -> float:
+        return (self.ended_at or time.time()) - self.started_at
+
+    def log(self, rank: int) -> str:
+        """The full output of one rank."""
+        with open(self.ranks[rank].log_path, encoding="utf-8") as f:
+            return f.read()
+
+    def __repr__(self) -> str:
+        return run_report_text(self)
+
+    def _repr_html_(self) -> str:
+        return run_report_html(self)

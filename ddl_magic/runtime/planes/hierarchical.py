@@ -1,0 +1,48 @@
+"""Hierarchical allreduce (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE), for several hosts with
+the same number of ranks each: reduce-scatter within the host through shared memory, the
+ring across hosts on each rank's part (the *cross ring*: the ranks with this rank's
+local_rank, one per host), allgather within the host. Only 1/local_size of the bytes cross
+between hosts. Its other collectives use the whole TCP ring, as `RingPlane` runs them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ... import kernels
+from ..reduce_ops import ReduceOp
+from .ring import ring_allreduce
+from .ring_plane import RingPlane, ring_observer
+from .shared_memory import HostGroup
+from .tcp import RingTransport
+
+if TYPE_CHECKING:
+    from . import Labels
+
+
+class HierarchicalPlane(RingPlane):
+    """Shared memory within each host, the ring across hosts: for allreduce, whose bytes
+    cross between hosts only once per host; the other collectives use the whole ring."""
+
+    def __init__(self, host_group: HostGroup, cross: RingTransport, transport: RingTransport):
+        super().__init__(transport)
+        self.name = "shm+tcp"
+        self.host_group = host_group
+        self.cross = cross
+
+    def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
+        observer = ring_observer(labels, self.cross)
+        scratch, reduce = self._scratch.of(buffer.dtype), kernels.reducer(op.kernel_name, buffer)
+
+        def across_hosts(part: torch.Tensor) -> None:
+            ring_allreduce(part, self.cross, reduce, scratch, observer)
+
+        with labels.span("shared_memory", op="hierarchical allreduce",
+                         size=self.transport.world.size):
+            self.host_group.allreduce(buffer, op.kernel_name, across_hosts)
+
+    def close(self) -> None:
+        super().close()
+        self.cross.close()
+        self.host_group.close()

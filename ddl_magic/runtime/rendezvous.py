@@ -1,0 +1,333 @@
+"""Rendezvous: how the ranks of a ring find each other, before collectives run over it.
+
+Forming a ring, at `init()` and for each process set, is `connect`:
+
+1. `connect_ring`: TCP. Each rank connects to its right neighbour (and, where hierarchical
+   allreduce runs, to its right neighbour in its cross ring) and, except rank 0, to rank 0
+   for the coordination links; it accepts the connections from its left neighbours (and,
+   on rank 0, every other rank's). Every connection proves the run's secret first.
+2. `connect_host_group`: shared memory. The ranks of one host map each other's segments,
+   where that is wanted and works on every host.
+
+`context` then chooses, from these `Connections`, the plane that moves the bytes
+(`planes.choose_plane`) and the op queue that negotiates.
+
+A process set's ring forms the same way among its members, each listening on a port of its
+own (`process_set_world`), once every rank of the run has learnt those ports.
+
+Agreeing. Where ranks could decide differently (shared memory works on one host but not on
+another; a rank added another process set than the others did), each says what it found,
+`gather` hands every rank the same list, and every rank decides alike from it: either every
+rank uses shared memory or none does; a process set is refused on every rank or on none.
+`gather` pickles; an *exchange* moves every rank's bytes, and which one depends on when:
+
+    over_coordination   while a ring forms: through rank 0's coordination links, which
+                        nothing else uses yet
+    over_op_queue       once a ring runs (a process set is added over the run's ring): two
+                        allgathers negotiated like any collective, since the ring's op queue
+                        owns the coordination links by then
+
+(`HostGroup.exchange`, the shared-memory round that carries each negotiation cycle, moves
+every local rank's bytes too; it is the data path of a formed ring, not rendezvous.)
+
+Why every wait ends: connecting has one deadline, `timeout` from the start, for every
+connection and every handshake; a gather over the coordination links waits at most
+`timeout` for each message; one over the op queue as long as any collective may (the op
+timeout, then `CollectiveTimeoutError`). A rank lost on the way is a `PeerLostError` that
+names it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
+from .errors import PeerLostError
+from .negotiation import Request
+from .planes.shared_memory import HostGroup, Neighbour, Segment, supported
+from .planes.tcp import RingTransport
+from .settings import TRANSPORT_VARIABLE, Settings
+from .world import Peer, World, derive_world
+
+if TYPE_CHECKING:
+    from .op_queue import OpQueue
+
+
+@dataclass
+class Connections:
+    """What `connect` formed for one rank of a ring."""
+
+    ring: RingTransport  # the ring of every rank, with rank 0's coordination links
+    host_group: HostGroup | None  # shared memory with the ring's ranks on this host
+    cross: RingTransport | None  # the ring across hosts, for hierarchical allreduce
+
+
+def connect(world: World, listener: socket.socket, secret: bytes, settings: Settings) -> Connections:
+    """Connect this rank's ring in `world`, plus shared memory and a cross ring where they help."""
+    host_group = None
+    hierarchical = settings.hierarchical and settings.transport != "tcp" and world.uniform_hosts
+    transport, cross = connect_ring(world, listener, secret, timeout=settings.timeout_s,
+                                    op_timeout=settings.timeout_s, cross=hierarchical)
+    try:
+        if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
+            host_group = connect_host_group(world, transport.coordination, settings.transport,
+                                            settings.timeout_s)
+    except BaseException:
+        transport.close()
+        if cross is not None:
+            cross.close()
+        raise
+    if host_group is None and cross is not None:  # no shared memory: the flat ring
+        cross.close()
+        cross = None
+    return Connections(transport, host_group, cross)
+
+
+# ---- TCP: the ring, the cross ring and the coordination links ------------------------------
+
+def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: float,
+                 op_timeout: float, cross: bool = False) -> tuple[RingTransport, RingTransport | None]:
+    """Open this rank's ring and coordination connections (and its cross ring if `cross`),
+    authenticating every one.
+
+    The ring's order is the world's `ring_order()`: ranks host by host. The cross ring holds
+    the ranks with this rank's local_rank, one per host (`cross_ring_order()`).
+
+    Each rank connects to its right neighbour in each ring (and, except rank 0, to rank 0)
+    and accepts the connection from its left neighbours (and, on rank 0, from every other
+    rank). A connection that fails the handshake is dropped and does not count; the run
+    goes on.
+    """
+    ring = world.ring_order()
+    if world.size == 1:
+        return RingTransport(world, ring, None, None, {}, op_timeout), None
+    deadline = time.monotonic() + timeout
+    rings = {"ring": ring, "cross": world.cross_ring_order()} if cross else {"ring": ring}
+    neighbours = {purpose: _neighbours(world.rank, members) for purpose, members in rings.items()}
+    expected = {(purpose, left) for purpose, (left, _) in neighbours.items()}
+    if world.rank == 0:
+        expected |= {("coord", r) for r in range(1, world.size)}
+    accepted: dict[tuple[str, int], Channel] = {}
+    acceptor = threading.Thread(
+        target=_accept_expected, args=(listener, secret, expected, accepted, deadline), daemon=True
+    )
+    acceptor.start()
+
+    def connect(rank: int, purpose: str) -> Channel:
+        try:
+            channel = Channel.connect(world.peers[rank].address, secret, purpose,
+                                      max(0.1, deadline - time.monotonic()))
+        except (OSError, AuthenticationError) as exc:
+            raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
+                                f"could not connect: {exc}") from exc
+        channel.send(world.rank)  # tells the acceptor who we are
+        return channel
+
+    rights = {purpose: connect(right, purpose) for purpose, (_, right) in neighbours.items()}
+    coordination = {} if world.rank == 0 else {0: connect(0, "coord")}
+    acceptor.join(max(0.0, deadline - time.monotonic()))
+    missing = expected - accepted.keys()
+    if missing:
+        kind, rank = sorted(missing)[0]
+        raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
+                            f"did not open its {kind} connection within {timeout:.0f} s")
+    if world.rank == 0:
+        coordination = {rank: accepted[("coord", rank)] for rank in range(1, world.size)}
+    transports = {
+        purpose: RingTransport(world, rings[purpose], rights[purpose].sock,
+                               accepted[(purpose, left)].sock,
+                               coordination if purpose == "ring" else {}, op_timeout)
+        for purpose, (left, _) in neighbours.items()
+    }
+    return transports["ring"], transports.get("cross")
+
+
+def _neighbours(rank: int, members: tuple[int, ...]) -> tuple[int, int]:
+    """(left, right) of `rank` in a ring of `members`."""
+    position = members.index(rank)
+    return members[(position - 1) % len(members)], members[(position + 1) % len(members)]
+
+
+def _accept_expected(listener: socket.socket, secret: bytes, expected: set, accepted: dict,
+                     deadline: float) -> None:
+    """Accept until every expected (purpose, rank) connection has proved the secret.
+
+    Each handshake runs on its own thread, so a stranger that connects and says nothing
+    cannot hold up the neighbours queued behind it.
+    """
+    lock = threading.Lock()
+    complete = threading.Event()
+
+    def authenticate(sock: socket.socket) -> None:
+        try:
+            channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord"},
+                                              min(HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
+        except (OSError, AuthenticationError, PeerClosedError):
+            return  # refused: it does not count, and the run goes on
+        try:
+            channel.sock.settimeout(max(0.1, deadline - time.monotonic()))
+            rank = channel.recv()
+            channel.sock.settimeout(None)
+            if not isinstance(rank, int):
+                raise ValueError(f"expected a rank, got {type(rank).__name__}")
+        except Exception:  # gone, silent, or its first message is no rank: refused the same way
+            channel.close()
+            return
+        with lock:
+            if (purpose, rank) in expected and (purpose, rank) not in accepted:
+                accepted[(purpose, rank)] = channel
+                if expected <= accepted.keys():
+                    complete.set()
+                return
+        channel.close()
+
+    listener.settimeout(0.05)  # bounds each wait so the loop sees `complete` and the deadline
+    while not complete.is_set() and time.monotonic() < deadline:
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            continue
+        threading.Thread(target=authenticate, args=(sock,), daemon=True).start()
+    complete.wait(max(0.0, deadline - time.monotonic()))
+
+
+# ---- shared memory: the ranks of one host ----------------------------------------------------
+
+def connect_host_group(world: World, coordination: dict, choice: str,
+                       op_timeout: float) -> HostGroup | None:
+    """Map the segments of this rank's host neighbours; None where the ranks use TCP instead.
+
+    Every rank calls this at `init()`, right after the ring is connected. Whether shared
+    memory is wanted at all follows from the peer table and `choice`, the same on every
+    rank; whether it works is agreed over the coordination channels, so either every host
+    uses it or none does, and `shm` that cannot work is an error on every rank.
+    """
+    if choice == "tcp" or len(world.hosts) == world.size:  # no host has two ranks
+        return None
+    exchange = over_coordination(world, coordination, op_timeout, "setting up shared memory")
+    on_this_host = world.ranks_on(world.peers[world.rank].host)
+    own = Segment.create() if supported() else None
+    offers = gather((os.getpid(), own.fd) if own else None, exchange)
+    neighbours: dict[int, Neighbour] = {}
+    problem = None
+    if own is None:
+        problem = ("shared memory between processes needs x86-64 Linux (memfd, futex, pidfd); "
+                   f"this is {os.uname().sysname} on {os.uname().machine}")
+    else:
+        try:
+            for rank in on_this_host:
+                if rank != world.rank:
+                    pid, fd = offers[rank]
+                    neighbours[rank] = Neighbour(rank, Segment.open(pid, fd), os.pidfd_open(pid))
+        except (OSError, TypeError) as exc:
+            problem = f"rank {world.rank} could not map rank {rank}'s memory on the same host: {exc}"
+    problems = [p for p in gather(problem, exchange) if p]
+    if own is not None:
+        os.close(own.fd)  # every neighbour has mapped it (or given up): the mappings keep it alive
+        own.fd = None
+    if problems:
+        for neighbour in neighbours.values():
+            neighbour.segment.close()
+            os.close(neighbour.pidfd)
+        if own is not None:
+            own.close()
+        if choice == "shm":
+            raise RuntimeError(f"{TRANSPORT_VARIABLE}=shm, but shared memory cannot be used: "
+                               f"{problems[0]}. Set {TRANSPORT_VARIABLE}=auto to fall back to TCP.")
+        if world.rank == 0:
+            print(f"ddl_magic note: ranks on one host use TCP, not shared memory: {problems[0]}",
+                  file=sys.stderr, flush=True)
+        return None
+    for neighbour in neighbours.values():
+        os.close(neighbour.segment.fd)
+        neighbour.segment.fd = None
+    return HostGroup(world, on_this_host, own, neighbours, op_timeout)
+
+
+# ---- process sets: a ring over some of the run's ranks ---------------------------------------
+
+def process_set_world(run_peers: Sequence[Peer], rank: int, members: tuple[int, ...],
+                      ports: dict[int, int]) -> World:
+    """The world of a process set's ring, as rank `rank` of the run sees it: `members` (run
+    ranks, ascending) numbered from 0, each at its usual address on the port its set
+    listener has (`ports[rank]`, gathered over the run's ring), errors and the timeline
+    still naming them by run rank."""
+    peers = [Peer(index, run_peers[member].host, (run_peers[member].address[0], ports[member]))
+             for index, member in enumerate(members)]
+    return derive_world(members.index(rank), peers, run_ranks=members)
+
+
+# ---- agreeing: every rank's small object, on every rank ------------------------------------
+
+Exchange = Callable[[bytes], list[bytes]]
+"""Sends this rank's bytes and returns every rank's, in rank order (the same list everywhere)."""
+
+
+def gather(mine: object, exchange: Exchange) -> list:
+    """Every rank's `mine`, in rank order, the same list on every rank: pickled, moved by
+    `exchange`, unpickled. Every rank of the ring calls it at the same point.
+
+    >>> two_ranks_alike = lambda mine: [mine, mine]
+    >>> gather(("rank", 0), two_ranks_alike)
+    [('rank', 0), ('rank', 0)]
+    """
+    return [pickle.loads(theirs) for theirs in exchange(pickle.dumps(mine))]
+
+
+def over_coordination(world: World, coordination: dict[int, Channel], timeout: float,
+                      during: str) -> Exchange:
+    """Through rank 0's coordination links, while a ring forms: every rank sends rank 0 its
+    bytes, and rank 0 sends every rank the list. Each message waits at most `timeout`; a
+    rank lost meanwhile is a `PeerLostError`, lost while `during`."""
+    def exchange(mine: bytes) -> list[bytes]:
+        channels = coordination.items()
+        try:
+            for _, channel in channels:
+                channel.sock.settimeout(timeout)
+            if world.rank != 0:
+                coordination[0].send(mine)
+                return coordination[0].recv()
+            gathered = [mine] + [None] * (world.size - 1)
+            for rank, channel in channels:
+                gathered[rank] = channel.recv()
+            for _, channel in channels:
+                channel.send(gathered)
+            return gathered
+        except (OSError, EOFError, ConnectionError) as exc:
+            rank = 0 if world.rank != 0 else next(iter(coordination))
+            raise PeerLostError(world.run_ranks[rank], world.peers[rank].host,
+                                f"lost while {during}: {exc}") from exc
+        finally:
+            for _, channel in channels:
+                channel.sock.settimeout(None)
+
+    return exchange
+
+
+def over_op_queue(queue: OpQueue, name: str) -> Exchange:
+    """Through a running ring's op queue: two allgathers named `{name}.length` and
+    `{name}.payload`, negotiated, ordered and timed out like any collective."""
+    def exchange(mine: bytes) -> list[bytes]:
+        lengths = _allgathered(queue, f"{name}.length", torch.tensor([len(mine)], dtype=torch.int64))
+        payload = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        gathered = _allgathered(queue, f"{name}.payload", payload).numpy().tobytes()
+        every, start = [], 0
+        for length in lengths.tolist():
+            every.append(gathered[start:start + length])
+            start += length
+        return every
+
+    return exchange
+
+
+def _allgathered(queue: OpQueue, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return queue.submit(Request.of(name, "allgather", tensor), tensor, None, wait_follows=True).wait()
