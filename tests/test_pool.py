@@ -338,3 +338,22 @@ def test_a_pool_on_spark_is_one_stage_that_keeps_state_and_releases_its_slots(ma
         _cell(kernel, "spark.stop()")
     finally:
         kernel.close()
+
+
+def test_what_a_cell_leaves_behind_in_the_ring_never_reaches_the_next_cell():
+    """A collective left in flight on one rank, or a ring shut down by the cell: every rank
+    forms a fresh ring before the next cell, whose values are right."""
+    import ddl_magic
+    from ddl_magic.driver.capture import capture_cell
+
+    def cell(pool, source):
+        return pool.run_cell(capture_cell(source, {}, pool.rank_names).payload, quiet=True).result
+
+    total = ("hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum, name='total').item()")
+    with ddl_magic.start(np=2, quiet=True) as pool:
+        cell(pool, "import torch\nimport ddl_magic.torch as hvd\nhvd.init()")
+        # rank 0 submits 'total' and never waits; rank 1 never submits it
+        cell(pool, "if hvd.rank() == 0:\n    left = hvd.allreduce_async(torch.full((1,), 100.0), name='total')")
+        assert cell(pool, total) == 3.0  # not 100 + 2: the leftover never pairs with this one
+        cell(pool, "hvd.shutdown()")
+        assert cell(pool, "hvd.init()\n" + total) == 3.0
