@@ -13,6 +13,16 @@ HVD = "import torch\nimport ddl_magic.torch as hvd\nhvd.init()\n"
 # Every rank adds rank + 1: with 2 ranks the sum is 3.0, whatever happened before.
 SUM = "hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()"
 
+START_SPARK = """
+import os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.{master}.config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+"""
+ACTIVE_SPARK_JOBS = ("from pyspark import SparkContext\n"
+                     "SparkContext._active_spark_context.statusTracker().getActiveJobsIds()")
+
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
@@ -191,6 +201,11 @@ def test_an_interrupt_reaches_every_rank_and_the_ranks_stay(pool):
     assert error is not None and error["ename"] == "CellInterrupted", error
     assert time.monotonic() - interrupted_at < 5
     assert "ranks stay up" in error["evalue"]
+    logs = _cell(pool, "import ddl_magic\nrun = ddl_magic.last_run()\nprint(run.log(0), run.log(1))").stdout
+    # each rank's cell ended where it was: KeyboardInterrupt in rank 0's sleep, and in rank
+    # 1's allreduce that, or the collective's own error saying why it was aborted
+    assert len(re.findall(r"^stopped: ", logs, re.M)) == 2
+    assert "KeyboardInterrupt: the cell was interrupted" in logs
     out = _cell(pool, "%%horovod --all-ranks\n(kept, " + SUM + ")")
     assert out.result == "[(1, 3.0), (1, 3.0)]"
 
@@ -233,9 +248,16 @@ def test_a_one_shot_cell_reading_names_defined_nowhere_is_told_before_launch(ker
     assert "earlier %%horovod cells" in out.error["evalue"]
 
 
-def test_kernel_shutdown_ends_every_rank():
-    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"})
+@pytest.mark.parametrize("where", ["local", "spark"])
+def test_kernel_shutdown_ends_every_rank(where):
+    import shutil
+
+    if where == "spark" and shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Spark needs Java")
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "SPARK_LOCAL_IP": "127.0.0.1"})
     try:
+        if where == "spark":
+            _cell(kernel, START_SPARK.format(master='master("local[4]")'), timeout=180)
         started = kernel.run("%load_ext ddl_magic\n%horovod start -np 2", timeout=180)
         assert started.error is None, started.error
         pids = [int(pid) for pid in re.findall(r"^\d+\s+\S+\s+(\d+)\s+idle", started.stdout, re.M)]
@@ -291,17 +313,6 @@ def test_signals_are_only_for_the_pools_own_processes():
 
     with ddl_magic.start(np=1, quiet=True) as pool:
         assert os.getpgid(pool.pids[0]) == pool.pids[0] != os.getpgid(0)
-
-
-START_SPARK = """
-import os, sys
-os.environ["PYSPARK_PYTHON"] = sys.executable
-from pyspark.sql import SparkSession
-spark = (SparkSession.builder.{master}.config("spark.ui.enabled", "false")
-         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-"""
-ACTIVE_SPARK_JOBS = ("from pyspark import SparkContext\n"
-                     "SparkContext._active_spark_context.statusTracker().getActiveJobsIds()")
 
 
 @pytest.mark.parametrize("master", ['master("local[4]")', 'remote("local[4]")'],
