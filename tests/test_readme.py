@@ -144,7 +144,7 @@ def test_cell_magic_lines_open_their_cells():
 
 @pytest.mark.timeout(120)
 def test_the_first_cells_run_in_a_kernel_as_two_cells():
-    first, second = blocks("cell")
+    first, second, *_ = blocks("cell")
     kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"})
     try:
         loaded = kernel.run(first)
@@ -154,6 +154,25 @@ def test_the_first_cells_run_in_a_kernel_as_two_cells():
         for rank in range(2):
             assert re.search(rf"\[{rank}\] rank {rank} of 2: loss \d", ran.stdout), ran.stdout
         assert float(ran.result) > 0
+    finally:
+        kernel.close()
+
+
+@pytest.mark.timeout(240)
+def test_the_pool_cells_run_one_after_another_on_ranks_that_keep_their_state():
+    first, _, *pool_cells = blocks("cell")
+    assert pool_cells[0].startswith("%horovod start") and pool_cells[-1] == "%horovod stop"
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"})
+    try:
+        assert kernel.run(first).error is None
+        printed = ""
+        for cell in pool_cells:
+            ran = kernel.run(cell, timeout=120)
+            assert ran.error is None, (cell, ran.error, ran.text)
+            printed += ran.text
+        report = re.search(r"captured lr \(float\) · the ranks' own: ([\w, ]+)", printed)
+        assert report and {"model", "optimizer"} <= {name.strip() for name in report.group(1).split(",")}, printed
+        assert kernel.run("type(trained_model).__name__").result == "'Linear'"
     finally:
         kernel.close()
 
