@@ -102,11 +102,82 @@ def _footprint(pid: int) -> dict[str, int]:
             "threads": len(os.listdir(f"/proc/{pid}/task")), "rss_mb": resident // 2**20}
 
 
+IPYPARALLEL_SETUP = """
+import ipyparallel as ipp
+cluster = ipp.Cluster(n=2, log_level=40)
+rc = cluster.start_and_connect_sync()
+rc.wait_for_engines(2, timeout=120)
+view = rc[:]
+view.activate()
+view.scatter("rank", [0, 1], flatten=True, block=True)
+"""
+TORCH_GLOO_ON_ENGINES = """%%px
+import os, torch, torch.distributed as dist
+os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", "{port}"
+dist.init_process_group("gloo", rank=rank, world_size=2)
+"""
+GLOO_TRIVIAL = ("t = torch.ones(1)\ndist.all_reduce(t)\n"
+                "(dist.get_rank(), dist.get_world_size(), t.item())")
+
+
+def _compare_ipyparallel(cells: int) -> dict[str, float] | None:
+    """ipyparallel's %%px on 2 engines, each in a gloo group: the same trivial cell."""
+    try:
+        import ipyparallel  # noqa: F401 - only to know whether it is installed
+    except ImportError:
+        return None
+    from common import free_port
+
+    kernel = _Kernel()
+    try:
+        _checked(kernel, IPYPARALLEL_SETUP)
+        _checked(kernel, TORCH_GLOO_ON_ENGINES.format(port=free_port()))
+        for _ in range(5):
+            _checked(kernel, f"%%px\n{GLOO_TRIVIAL}")
+        times = [_checked(kernel, f"%%px\n{GLOO_TRIVIAL}")[0] for _ in range(cells)]
+        _checked(kernel, "cluster.stop_cluster_sync()")  # ends the engines it started, by pid
+    finally:
+        kernel.close()
+    return _percentiles(times)
+
+
+def _compare_nbdistributed(cells: int) -> dict[str, float] | None:
+    """nbdistributed's %%distributed on 2 workers (torch.distributed, gloo)."""
+    try:
+        import nbdistributed  # noqa: F401 - only to know whether it is installed
+        import psutil
+    except ImportError:
+        return None
+    kernel = _Kernel()
+    workers: list = []
+    try:
+        _checked(kernel, "%load_ext nbdistributed")
+        _checked(kernel, "%dist_init -n 2")
+        workers = psutil.Process(kernel.manager.provisioner.process.pid).children(recursive=True)
+        setup = "import torch\nimport torch.distributed as dist"
+        _checked(kernel, f"%%distributed\n{setup}")
+        for _ in range(5):
+            _checked(kernel, f"%%distributed\n{GLOO_TRIVIAL}")
+        times = [_checked(kernel, f"%%distributed\n{GLOO_TRIVIAL}")[0] for _ in range(cells)]
+    finally:
+        # never its %dist_shutdown: that kills processes by name across the machine
+        kernel.close()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+    return _percentiles(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer cells, 10 s of idle")
     parser.add_argument("--cells", type=int, help="cells of each kind (default 200, --quick 40)")
     parser.add_argument("--idle", type=float, help="seconds of idle measured (default 60, --quick 10)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also ipyparallel's %%%%px and nbdistributed's %%%%distributed on 2 "
+                             "workers, where installed (pip install ipyparallel nbdistributed)")
     args = parser.parse_args()
     cells = args.cells or (40 if args.quick else 200)
     idle_s = args.idle or (10.0 if args.quick else 60.0)
@@ -162,6 +233,10 @@ def main() -> None:
         _checked(kernel, "%horovod stop")
     finally:
         kernel.close()
+    peers = {}
+    if args.compare:
+        peers = {"ipyparallel %%px": _compare_ipyparallel(min(cells, 100)),
+                 "nbdistributed %%distributed": _compare_nbdistributed(min(cells, 40))}
     pool_stats, one_shot_stats = _percentiles(pool_times), _percentiles(one_shot_times)
     floor_stats, run_view_stats = _percentiles(floor), _percentiles(run_view)
     start_median = statistics.median(starts)
@@ -176,6 +251,8 @@ def main() -> None:
          f"{one_shot_stats['p90_ms']:.1f} ms", "(as today)"],
         ["%horovod start -np 2 (warm)", f"{start_median:.2f} s", f"{max(starts):.2f} s",
          f"<= {TARGETS['start_s']:g} s"],
+        *[[f"trivial cell, {name}", f"{stats['median_ms']:.1f} ms", f"{stats['p90_ms']:.1f} ms",
+           "(peer)"] for name, stats in peers.items() if stats is not None],
         [f"idle pool, {elapsed:.0f} s, per rank", f"{max(idle):.2f} % core", "",
          f"<= {TARGETS['idle_core_percent']:g} %"],
     ]
@@ -188,7 +265,7 @@ def main() -> None:
     path = write_results("pool", {
         "np": NP, "cells": cells, "pool_cell": pool_stats, "one_shot_cell": one_shot_stats,
         "pool_cell_run_view": run_view_stats, "empty_cell": floor_stats,
-        "load_average_at_start": load,
+        "load_average_at_start": load, "peers": peers,
         "start_s": starts, "idle_seconds": elapsed, "idle_core_percent_per_rank": idle,
         "footprint_before": before, "footprint_after": after, "targets": TARGETS,
         "met": {"pool_median": pool_stats["median_ms"] <= TARGETS["pool_median_ms"],
