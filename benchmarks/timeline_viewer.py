@@ -37,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from ddl_magic.timeline.columns import ColumnarTraceWriter, TraceFiles, columnar_path
-from ddl_magic.ui.timeline_viewer import build_figure, load_trace, summarize
+from ddl_magic.timeline.analysis import summarize
+from ddl_magic.timeline.load import load_trace
+from ddl_magic.ui.timeline_figure import build_figure
 
 SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
 JSON_UP_TO = 1_000_000  # larger traces are written in columns only

@@ -16,17 +16,12 @@ import plotly.graph_objects as go
 import pytest
 
 from ddl_magic.runtime.timeline import TimelineRecorder
+from ddl_magic.timeline.analysis import format_summary, lane_category, summarize
 from ddl_magic.timeline.columns import TraceFiles, columnar_path
-from ddl_magic.ui.timeline_viewer import (
-    TraceData,
-    build_figure,
-    format_summary,
-    lane_category,
-    lane_color,
-    load_trace,
-    summarize,
-)
+from ddl_magic.timeline.load import load_trace
+from ddl_magic.timeline.trace import TraceData
 from ddl_magic.ui.show_timeline import show_timeline
+from ddl_magic.ui.timeline_figure import build_figure, lane_color
 
 MB = 1_000_000
 

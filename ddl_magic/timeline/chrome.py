@@ -13,7 +13,7 @@ It is created whole (header and tail written to a temporary file that is renamed
 place), and each batch is appended by one ``pwrite`` that overwrites the closing tail and
 puts it back after the new events. Killing the driver between two writes therefore leaves a
 valid file. The only moment a reader could see a torn file is inside that one system call,
-and ``ddl_magic.ui.timeline_viewer.load_trace`` reads such a file up to its last complete
+and ``ddl_magic.timeline.load.load_trace`` reads such a file up to its last complete
 event anyway.
 
 Events are complete events (``"ph": "X"``) with ``pid`` = rank and ``tid`` = lane, so

@@ -1,6 +1,6 @@
 """The run's timeline once more, in columns: an Arrow IPC stream the viewer reads without JSON.
 
-The Chrome trace (``trace_writer``) is what chrome://tracing and Perfetto open, but parsing a
+The Chrome trace (``chrome.py``) is what chrome://tracing and Perfetto open, but parsing a
 million events of JSON takes Python seconds. Beside it the driver writes the same events to
 ``<trace>.arrow`` (``run.timeline.json`` -> ``run.timeline.arrow``), one record batch per
 batch the ranks sent::
