@@ -14,9 +14,10 @@ The runtime calls the recorder on its hot path, so the pattern there is::
         recorder.record("scatter_reduce", "allreduce.fc1", start_ns, time.monotonic_ns(),
                         {"bytes": nbytes, "tensors": names, "size": world_size})
 
-Lanes are short strings naming an activity; the runtime uses "user", "wait", "negotiate",
-"queue", "compress", "pack", "scatter_reduce", "allgather", "broadcast" and "unpack", and
-any other string is allowed too.
+Lanes are short strings naming an activity. Every lane the runtime records is listed, with its
+row and the kind of time it records, in one table, ``ddl_magic.timeline.lanes``: a new lane
+belongs there too (``tests/test_timeline_lanes.py`` checks that real runs record no other).
+The recorder itself takes any string.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A run's timeline: the files it is written to, and what they say.
+"""A run's timeline: the lanes the runtime records, the files it is written to, and what they say.
 
+    lanes.py        the one table of lanes: their rows, kinds of time and colours
     chrome.py       the merged Chrome trace the driver writes, valid JSON at every moment
     columns.py      the same events in columns (an Arrow IPC stream), and reading them back
     json_reader.py  reading a JSON trace (ours, Horovod's) a chunk at a time

@@ -27,26 +27,11 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from .lanes import KINDS, LANE_BY_NAME, Kind
 from .trace import TraceData
 
 __all__ = ["NOT_MEASURED", "format_percent", "format_summary", "lane_category", "merge_intervals",
            "summarize", "summary_report", "union_length"]
-
-# What each of our lanes spends the rank's time on. A tensor negotiates from its submission
-# until every rank has submitted it, so that is time waiting for the slowest rank. "user"
-# spans are whatever the user marked (often a whole step): left out of the three kinds.
-_OUR_LANE_CATEGORIES = {
-    "pack": "compute",
-    "unpack": "compute",
-    "compress": "compute",
-    "negotiate": "wait",
-    "scatter_reduce": "communicate",
-    "allgather": "communicate",
-    "broadcast": "communicate",
-    "shared_memory": "communicate",
-    "wait": "wait",
-    "queue": "wait",
-}
 
 # Bus bandwidth follows NCCL's convention, whatever carried the bytes: each ring phase
 # (scatter-reduce, allgather) puts (n-1)/n of the buffer on every link, so a whole allreduce
@@ -56,8 +41,8 @@ _OUR_LANE_CATEGORIES = {
 _RING_PHASES = ("scatter_reduce", "allgather")
 _RING_PHASES_OF_SHARED_MEMORY_OP = {"allreduce": 2, "hierarchical allreduce": 2, "allgather": 1}
 
-# The kinds of time a lane records, as ``lane_category`` names them.
-_KINDS = ("compute", "communicate", "wait", "other")
+# The kinds of time a lane records, as ``lane_category`` names them: the counted ones, then "other".
+_KINDS: tuple[Kind, ...] = (*KINDS, "other")
 
 # What the shown summary says for a number the trace did not record.
 NOT_MEASURED = "\N{EN DASH}"
@@ -69,8 +54,9 @@ _COLLECTIVE_WORDS = ("ALLREDUCE", "ALLGATHER", "BCAST", "BROADCAST", "REDUCESCAT
                      "ALLTOALL")
 
 
-def lane_category(lane: str) -> str:
-    """Which kind of time a lane records: "compute", "communicate", "wait" or "other".
+def lane_category(lane: str) -> Kind:
+    """Which kind of time a lane records: "compute", "communicate", "wait" or "other": ours
+    as the lane table (``lanes.py``) says, any other (Horovod's) by its name.
 
     Example:
         >>> lane_category("scatter_reduce"), lane_category("NCCL_ALLREDUCE")
@@ -80,8 +66,8 @@ def lane_category(lane: str) -> str:
         >>> lane_category("ALLREDUCE")  # Horovod's span around a whole operation
         'other'
     """
-    if lane in _OUR_LANE_CATEGORIES:
-        return _OUR_LANE_CATEGORIES[lane]
+    if lane in LANE_BY_NAME:
+        return LANE_BY_NAME[lane].kind
     upper = lane.upper()
     if upper == "QUEUE" or upper.startswith(("WAIT_FOR", "NEGOTIATE")):
         return "wait"
@@ -132,7 +118,7 @@ def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
     top_tensors = _top_tensors(events, category != _KINDS.index("other"), top)
     rows = []
     for rank, at in events.groupby("rank", sort=True).indices.items():
-        in_category = {kind: at[category[at] == _KINDS.index(kind)] for kind in _KINDS[:3]}
+        in_category = {kind: at[category[at] == _KINDS.index(kind)] for kind in KINDS}
         busy = np.concatenate([in_category["compute"], in_category["communicate"]])
         wall_us = end[at].max() - start[at].min()
         bus_bytes, bus_us = _bus_traffic(events, at, world_size)

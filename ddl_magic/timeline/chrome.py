@@ -17,7 +17,8 @@ and ``ddl_magic.timeline.load.load_trace`` reads such a file up to its last comp
 event anyway.
 
 Events are complete events (``"ph": "X"``) with ``pid`` = rank and ``tid`` = lane, so
-chrome://tracing, Perfetto and our viewer show one row per (rank, lane).
+chrome://tracing, Perfetto and our viewer show one row per (rank, lane); our lanes' rows
+follow the lane table (``lanes.py``).
 """
 
 from __future__ import annotations
@@ -30,19 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-LANE_ORDER: tuple[str, ...] = (
-    "user",
-    "wait",
-    "negotiate",
-    "queue",
-    "compress",
-    "pack",
-    "scatter_reduce",
-    "allgather",
-    "broadcast",
-    "unpack",
-)
-"""Known lanes, in the order an allreduce goes through them; this fixes their rows."""
+from .lanes import LANE_ORDER
 
 _HEADER = b'{"displayTimeUnit":"ms","otherData":{"producer":"ddl_magic"},"traceEvents":[\n'
 _TAIL = b"\n]}\n"

@@ -38,7 +38,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from .chrome import LANE_ORDER, TraceWriter, args_json
+from .chrome import TraceWriter, args_json
+from .lanes import LANE_ORDER
 
 COLUMNAR_SUFFIX = ".arrow"
 

@@ -31,10 +31,9 @@ import pandas as pd
 import pyarrow as pa
 
 from .analysis import NOT_MEASURED, format_percent, lane_category, merge_intervals, union_length
-from .chrome import LANE_ORDER
+from .lanes import KINDS, LANE_ORDER
 from .trace import TraceData, events_table
 
-KINDS = ("wait", "communicate", "compute")
 _KIND_WORDS = {"wait": "waiting", "communicate": "communicating", "compute": "computing"}
 COMPACT_AT = 200_000
 """When this many intervals are kept, each row's are merged (``_compact``)."""

@@ -24,6 +24,7 @@ import plotly.colors
 import plotly.graph_objects as go
 
 from ..timeline.analysis import merge_intervals
+from ..timeline.lanes import LANE_BY_NAME
 from ..timeline.trace import TraceData
 
 __all__ = ["DEFAULT_MAX_SHAPES", "build_figure", "figure_parts", "lane_color"]
@@ -32,22 +33,8 @@ DEFAULT_MAX_SHAPES = 5_000
 """Above this many events the figure draws merged busy intervals instead of every event."""
 _BETWEEN_HINT = "trace.between(start_ms, end_ms) gives a window in full detail"
 
-# A lane keeps its colour in every run and every figure: waiting reds and oranges,
-# communicating blues and greens, computing browns and purples. Lanes not named here take a
-# colour chosen by their name, so they too keep it from run to run.
-_FIXED_LANE_COLORS = {
-    "user": "#78909c",
-    "wait": "#e53935",
-    "negotiate": "#fb8c00",
-    "queue": "#fdd835",
-    "compress": "#8e24aa",
-    "pack": "#6d4c41",
-    "scatter_reduce": "#1e88e5",
-    "allgather": "#43a047",
-    "broadcast": "#00acc1",
-    "shared_memory": "#3949ab",
-    "unpack": "#d81b60",
-}
+# A lane keeps its colour in every run and every figure: ours the lane table's (lanes.py),
+# any other a colour chosen by its name, so it too keeps it from run to run.
 _OTHER_LANE_COLORS = plotly.colors.qualitative.Dark24
 
 # Zoomed out, a row shows the share of each stretch of time its lane was busy, in this many
@@ -153,8 +140,8 @@ def lane_color(lane: str) -> str:
         >>> lane_color("scatter_reduce") == lane_color("scatter_reduce")
         True
     """
-    if lane in _FIXED_LANE_COLORS:
-        return _FIXED_LANE_COLORS[lane]
+    if lane in LANE_BY_NAME:
+        return LANE_BY_NAME[lane].color
     return _OTHER_LANE_COLORS[zlib.crc32(lane.encode()) % len(_OTHER_LANE_COLORS)]
 
 
