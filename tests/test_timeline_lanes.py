@@ -65,3 +65,13 @@ def test_each_transport_records_its_own_lanes_and_both_the_rest(lanes_recorded):
     assert SHARED_MEMORY_ONLY <= shm and not SHARED_MEMORY_ONLY & tcp, (shm, tcp)
     assert TCP_RING_ONLY <= tcp and not TCP_RING_ONLY & shm, (shm, tcp)
     assert {"user", "negotiate", "pack", "unpack"} <= shm & tcp, (shm, tcp)
+
+
+def test_the_table_lists_no_lane_that_these_runs_do_not_record(lanes_recorded):
+    """Between them, the two runs take every path that records a lane. The paths they leave
+    out record no lane of their own: CUDA tensors (pack, shared_memory or the ring's lanes,
+    unpack, as here), ranks on several hosts (shared_memory around the TCP ring's lanes),
+    reduce-scatters (shared_memory, or the ring's scatter_reduce), process sets (rings of
+    their own, the same lanes)."""
+    recorded = lanes_recorded["shm"] | lanes_recorded["tcp"]
+    assert set(LANE_ORDER) <= recorded, set(LANE_ORDER) - recorded

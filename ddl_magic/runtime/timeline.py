@@ -68,11 +68,11 @@ class TimelineRecorder:
 
         Example:
             >>> rec = TimelineRecorder()
-            >>> rec.record("queue", "fc1.bias", 0, 10)  # off: nothing kept
+            >>> rec.record("negotiate", "fc1.bias", 0, 10)  # off: nothing kept
             >>> rec.enabled = True
-            >>> rec.record("queue", "fc1.bias", 0, 10, {"bytes": 40})
+            >>> rec.record("negotiate", "fc1.bias", 0, 10, {"bytes": 40})
             >>> rec.drain()
-            [('queue', 'fc1.bias', 0.0, 0.01, {'bytes': 40})]
+            [('negotiate', 'fc1.bias', 0.0, 0.01, {'bytes': 40})]
         """
         if self.enabled:
             self._buffer.append((lane, name, start_ns, end_ns, args))

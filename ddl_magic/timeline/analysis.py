@@ -83,10 +83,10 @@ def summarize(trace: TraceData, top: int = 3) -> pd.DataFrame:
 
     The numbers, for programs; ``format_summary`` makes the table shown under the figure.
     Each category's time is the union of its lanes' events (concurrent events count once):
-    ``compute_ms`` (packing, unpacking, compressing, fusion-buffer copies),
+    ``compute_ms`` (packing, unpacking, fusion-buffer copies),
     ``communicate_ms`` (the ring's phases, broadcasts, shared-memory collectives) and
-    ``wait_ms`` (negotiating until every rank is ready, queued tensors, callers blocked on a
-    handle). ``busy_fraction`` is the union of computing and communicating over ``wall_ms``,
+    ``wait_ms`` (negotiating until every rank is ready; in Horovod's timelines also queued
+    tensors and waits for data). ``busy_fraction`` is the union of computing and communicating over ``wall_ms``,
     the rank's first event start to last event end. ``bus_bytes`` is what the collectives
     that carry ``bytes`` put on each link (NCCL's convention: (n-1)/n of the buffer per
     scatter-reduce or allgather phase, 2(n-1)/n per allreduce through shared memory, all of

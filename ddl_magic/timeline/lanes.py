@@ -6,7 +6,8 @@ trace. Everything that treats our lanes differently from any other string reads 
 the Chrome trace's row order (``chrome.py``) and the columnar file's lane codes
 (``columns.py``), the summaries' kinds of time (``analysis.py``, ``live.py``) and the
 figure's colours (``ui/timeline_figure.py``). ``tests/test_timeline_lanes.py`` runs real
-ranks and checks that every lane they record is in this table.
+ranks and checks that what they record is exactly this table: no lane missing, none that
+nothing records.
 
 A lane not listed here (a user's, a Horovod timeline's ``NEGOTIATE_ALLREDUCE``) is welcome
 too: its row comes after these, its kind of time is told from its name
@@ -34,36 +35,32 @@ KINDS: tuple[Kind, ...] = ("wait", "communicate", "compute")
 @dataclass(frozen=True)
 class Lane:
     """One lane: its ``name`` in the trace, the ``kind`` of time it records and its ``color``
-    in every figure of every run (waiting reds and oranges, communicating blues and greens,
-    computing browns and purples)."""
+    in every figure of every run (waiting orange, communicating blues and greens, computing
+    brown and pink)."""
 
     name: str
     kind: Kind
     color: str
 
 
-# Top to bottom, the order an allreduce goes through them: this fixes their rows. What each
-# records, and when (the conditions are why a given run may record fewer of them).
+# Top to bottom, the order an allreduce goes through them (a broadcast beside the ring's
+# phases): this fixes their rows. Above each, what records it and when: the conditions are
+# why a given run records fewer of them.
 LANES: tuple[Lane, ...] = (
     # `hvd.timeline_span(name)` (torch/timeline.py): whatever the user marks, often a whole
     # step; not counted, since the lanes below count the same time again.
     Lane("user", "other", "#78909c"),
-    # Recorded by nothing: listed since the viewer was written, before the runtime was.
-    Lane("wait", "wait", "#e53935"),
     # Every collective, from its submission until every rank has submitted it: waiting for
     # the slowest rank (runtime/op_queue.py).
     Lane("negotiate", "wait", "#fb8c00"),
-    # Recorded by nothing, as "wait".
-    Lane("queue", "wait", "#fdd835"),
-    Lane("compress", "compute", "#8e24aa"),
     # An allreduce whose tensors are copied into one buffer (several fused, or one on a GPU):
     # copying them in (runtime/collectives.py).
     Lane("pack", "compute", "#6d4c41"),
     # Ranks that share a host: each collective through shared memory, its kind in args["op"]
     # ("hierarchical allreduce": its ring between hosts is inside it) (runtime/planes/).
     Lane("shared_memory", "communicate", "#3949ab"),
-    # The TCP ring's two phases of an allreduce or reduce-scatter (runtime/planes/); an
-    # allgather over the TCP ring is one "allgather" event.
+    # The TCP ring's two phases of an allreduce (a reduce-scatter runs the first only); an
+    # allgather over the TCP ring is one "allgather" event (runtime/planes/).
     Lane("scatter_reduce", "communicate", "#1e88e5"),
     Lane("allgather", "communicate", "#43a047"),
     # Each step of a ring phase: which chunk went to whom. Not counted: its phase counts

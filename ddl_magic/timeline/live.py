@@ -15,7 +15,7 @@ most once a second. Numbers only, no widget: a display without a notebook uses i
 
 Example:
     >>> live = LiveTimeline()
-    >>> live.add(0, [("scatter_reduce", "grads", 0.0, 300.0, None), ("wait", "h", 300.0, 700.0, None)])
+    >>> live.add(0, [("scatter_reduce", "grads", 0.0, 300.0, None), ("negotiate", "n", 300.0, 700.0, None)])
     >>> live.summary_line(elapsed_s=1.0)
     '[timeline] 1.0 s · % of time waiting/communicating: rank 0 70/30'
 """
