@@ -11,7 +11,8 @@ A state has three verbs (Horovod's):
 
 `TorchState` commits a model's and an optimizer's tensors by copying them into clones
 made at the first commit: a commit allocates no tensor memory after the first, unless
-the tensors' shapes change.
+the tensors' shapes change. The clones live where the tensors do (on the GPU for a model
+on a GPU, as Horovod's deep copies do): a commit is a device-to-device copy.
 """
 
 from __future__ import annotations
@@ -227,9 +228,9 @@ class _TensorCopies:
         if not _same_layout(self.saved, tensors):
             self.saved = [torch.empty_like(t, memory_format=torch.preserve_format)
                           for t in tensors]
-        if tensors:
+        if tensors:  # state_dict()'s tensors need no grad: one torch call copies them all
             with torch.no_grad():
-                torch._foreach_copy_(self.saved, [t.detach() for t in tensors])
+                torch._foreach_copy_(self.saved, tensors)
 
 
 def _same_layout(saved: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
@@ -275,7 +276,7 @@ class _OptimizerHandler(_Handler):
         self._keys: list[tuple[int, str]] = []
         self._copies = _TensorCopies()
         self._others: dict[tuple[int, str], Any] = {}  # state that is not a tensor (LBFGS's)
-        self._groups: list[dict] = []
+        self._hyperparameters: list[dict] = []  # each parameter group's, without its params
         super().__init__(optimizer)
 
     def save(self) -> None:
@@ -287,7 +288,8 @@ class _OptimizerHandler(_Handler):
         self._copies.copy_from([state[index][key] for index, key in self._keys])
         self._others = {(index, key): copy.deepcopy(state[index][key]) for index, key in keys
                         if not isinstance(state[index][key], torch.Tensor)}
-        self._groups = copy.deepcopy(live["param_groups"])
+        self._hyperparameters = [{key: copy.deepcopy(value) for key, value in group.items()
+                                  if key != "params"} for group in live["param_groups"]]
 
     def restore(self) -> None:
         # load_state_dict keeps the tensors it is given when their dtype and device already
@@ -297,7 +299,9 @@ class _OptimizerHandler(_Handler):
             state.setdefault(index, {})[key] = saved.clone()
         for (index, key), value in self._others.items():
             state.setdefault(index, {})[key] = copy.deepcopy(value)
-        self.value.load_state_dict({"state": state, "param_groups": copy.deepcopy(self._groups)})
+        groups = [{**copy.deepcopy(saved), "params": live["params"]} for saved, live
+                  in zip(self._hyperparameters, self.value.state_dict()["param_groups"])]
+        self.value.load_state_dict({"state": state, "param_groups": groups})
 
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
