@@ -10,7 +10,8 @@
   both at the same commit, and the world re-forms without a rollback; and `hvd.elastic.run` after a `HorovodInternalError` raised on
   every rank, or on one rank while the other waits in an allreduce: the last commit is
   restored, the same world re-formed, and training ends with the weights of a run that
-  never failed.
+  never failed; and a world re-formed smaller (a rendezvous standing in for the driver
+  leaves a rank out): the survivors deal the rest of the epoch over the new ring.
 """
 
 from __future__ import annotations
@@ -342,8 +343,23 @@ def check_a_host_notice_heard_by_one_rank_interrupts_every_rank_at_the_same_comm
     return failures
 
 
+def check_sharded_optimizer_state_is_refused(hvd) -> list[str]:
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    sharded = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                       named_parameters=model.named_parameters(),
+                                       shard_optimizer_state=True)
+    try:
+        hvd.elastic.TorchState(model, sharded)
+    except NotImplementedError as refusal:
+        return [] if "shard_optimizer_state" in str(refusal) else [str(refusal)]
+    return ["a TorchState took an optimizer whose state a lost rank would take with it"]
+
+
 STATE_CHECKS = [check_commit_restore_and_sync, check_a_commit_allocates_nothing_after_the_first,
-                check_a_host_notice_heard_by_one_rank_interrupts_every_rank_at_the_same_commit]
+                check_a_host_notice_heard_by_one_rank_interrupts_every_rank_at_the_same_commit,
+                check_sharded_optimizer_state_is_refused]
 
 
 def run_state_checks():
@@ -424,3 +440,74 @@ def test_a_failure_resumes_from_the_last_commit_in_the_same_world(trainings, sch
         assert attempts == [(0, 2), (resumed_at, 2)]
         assert torch.equal(weights, outcomes["never fails"][0])
     assert torch.equal(trainings[0][schedule][0], trainings[1][schedule][0])
+
+
+class ShrinkTo:
+    """A rendezvous standing in for the driver: the next world is the first `size` ranks of
+    the one that ended, at the same addresses; the others are left out."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def next_world(self, request):
+        from ddl_magic.runtime import context
+
+        peers = tuple(context.bootstrap.peers[:self.size])
+        rank = request.rank if request.rank < self.size else None
+        return WorldPlan(request.generation + 1, rank, peers)
+
+
+def train_until_a_rank_leaves():
+    """24 samples dealt over 3 ranks, 2 per batch, a commit after every batch; at the third
+    batch rank 2 fails, and the driver (`ShrinkTo(2)`) re-forms the world without it."""
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.elastic.install(ShrinkTo(2))
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(1, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         named_parameters=model.named_parameters())
+    sampler = ElasticSampler(list(range(24)), shuffle=True, seed=7)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, batches=0)
+    done = []  # this rank's samples whose step was committed (the state is rank 0's after a sync)
+    sizes_at_reset = []
+    state.register_reset_callbacks([lambda: sizes_at_reset.append(hvd.size())])
+
+    @hvd.elastic.run
+    def train(state):
+        for batch_idx in range(len(state.sampler) // 2):
+            indices = state.sampler.get_indices(batch_idx, 2)
+            if state.batches == 2 and hvd.rank() == 2:
+                raise HorovodInternalError("rank 2's host is going away")
+            optimizer.zero_grad()
+            model(torch.tensor([[float(i)] for i in indices])).sum().backward()
+            optimizer.step()
+            state.sampler.record_batch(batch_idx, 2)
+            state.batches += 1
+            state.commit()
+            done.extend(indices)
+        return "finished"
+
+    try:
+        outcome = train(state)
+    except hvd.elastic.RankRetired:
+        outcome = "retired"
+    weights = model.weight.detach().clone()
+    return {"outcome": outcome, "done": done, "size": hvd.size() if hvd.is_initialized()
+            else None, "sizes_at_reset": sizes_at_reset, "weights": weights}
+
+
+def test_the_survivors_re_form_a_smaller_ring_and_deal_the_rest_of_the_epoch_over_it():
+    import torch
+
+    ranks = run_on_ranks(train_until_a_rank_leaves, 3)
+    assert [r["outcome"] for r in ranks] == ["finished", "finished", "retired"]
+    assert [r["size"] for r in ranks] == [2, 2, None]
+    assert [r["sizes_at_reset"] for r in ranks[:2]] == [[2], [2]]
+    # Rank 2's first two batches were committed before it left; the rest went to the others.
+    done = [index for r in ranks for index in r["done"]]
+    assert sorted(done) == list(range(24))
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])
