@@ -37,13 +37,16 @@ from pathlib import Path
 import numpy as np
 
 from ddl_magic.timeline.columns import ColumnarTraceWriter, TraceFiles, columnar_path
-from ddl_magic.ui.timeline_viewer import build_figure, load_trace, summarize
+from ddl_magic.timeline.analysis import summarize
+from ddl_magic.timeline.load import load_trace
+from ddl_magic.ui.timeline_figure import build_figure
 
 SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
 JSON_UP_TO = 1_000_000  # larger traces are written in columns only
 TARGETS = {"1M_s": 3.0, "10M_s": 20.0, "10M_peak_rss_gb": 2.0, "figure_mb": 1.0}
 RANKS = 4
-STEP_LANES = ("negotiate", "queue", "pack", "scatter_reduce", "allgather", "unpack", "wait")
+# The lanes a fused hierarchical allreduce records (timeline/lanes.py), here one after the other.
+STEP_LANES = ("negotiate", "pack", "shared_memory", "scatter_reduce", "ring_step", "allgather", "unpack")
 REPEATS = 3
 RESULTS = Path(__file__).parent / "results" / "timeline_viewer.json"
 

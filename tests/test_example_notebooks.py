@@ -197,7 +197,8 @@ slow_runs = waiting[waiting["run"] == "rank 1 sleeps"].set_index("rank")
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 def test_05_plain_ddp_learns_over_gloo_ddl_and_torch_distributor_and_ddl_shows_its_buckets():
     notebook, report = run_notebook("05_plain_ddp.ipynb", """
-from ddl_magic.ui.timeline_viewer import format_summary, load_trace, summarize
+from ddl_magic.timeline.analysis import format_summary, summarize
+from ddl_magic.timeline.load import load_trace
 bucket_allreduces = ddl_events[(ddl_events["lane"] == "shared_memory")
                                & ddl_events["name"].str.startswith("ddl0.allreduce")
                                & (ddl_events["args"].map(lambda a: a.get("bytes")) == 115752)]

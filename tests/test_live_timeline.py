@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ddl_magic.timeline import live as live_timeline
 from ddl_magic.timeline.columns import TraceFiles
-from ddl_magic.ui import live_timeline
-from ddl_magic.ui.live_timeline import LiveTimeline
-from ddl_magic.ui.timeline_viewer import load_trace
+from ddl_magic.timeline.live import LiveTimeline
+from ddl_magic.timeline.load import load_trace
 from ddl_magic.ui.timeline_widget import ZoomableTimeline
 
 

@@ -184,3 +184,16 @@ def test_the_files_it_names_exist():
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert not missing, f"README.md names files that do not exist: {missing}"
     assert len(named) > 10
+
+
+def test_the_house_names_every_folder_of_the_package_and_the_layers_are_the_checked_ones():
+    house = README.split("## How it is built", 1)[1].split("\n## ", 1)[0]
+    folders = {path.parent.relative_to(ROOT / "ddl_magic").as_posix()
+               for path in (ROOT / "ddl_magic").glob("*/__init__.py")}
+    drawn = set(re.findall(r"(?<![\w/.])(\w+)/ ", house))
+    assert folders <= drawn, folders - drawn
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"][0]["layers"]
+    written = re.search(r"Layers, top down: (.*?)\.", house, re.DOTALL).group(1)
+    assert re.findall(r"`(\w+)`", written) == [name for layer in layers
+                                                for name in layer.split(" | ")]

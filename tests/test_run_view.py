@@ -204,7 +204,7 @@ def step_events(step, wait_us):
     """One training step's timeline on one rank: communicate 300 µs, then wait."""
     start = step * 1000.0
     return [("scatter_reduce", f"grads {step}", start, 300.0, {"bytes": 4096, "size": 2}),
-            ("wait", f"handle {step}", start + 300.0, wait_us, None)]
+            ("negotiate", f"handle {step}", start + 300.0, wait_us, None)]
 
 
 def test_a_timeline_run_shows_lanes_that_grow_with_each_batch_and_a_running_summary():
@@ -218,7 +218,7 @@ def test_a_timeline_run_shows_lanes_that_grow_with_each_batch_and_a_running_summ
     view.handle(TimelineBatch(rank=1, events=step_events(0, 600.0)))
     view.refresh()
     first = view.state()["timeline"]
-    assert first["rows"] == [(0, "wait"), (0, "scatter_reduce"), (1, "wait"), (1, "scatter_reduce")]
+    assert first["rows"] == [(0, "negotiate"), (0, "scatter_reduce"), (1, "negotiate"), (1, "scatter_reduce")]
     assert first["events_drawn"] == 4
     # Rank 1 waited 600 of its 900 µs: the slow partner shows while the run trains.
     assert first["summary"][1]["wait_ms"] == pytest.approx(0.6)
@@ -228,7 +228,7 @@ def test_a_timeline_run_shows_lanes_that_grow_with_each_batch_and_a_running_summ
     view.refresh()
     assert view.state()["timeline"]["events_drawn"] == 6
     lanes = view.widget.children[-2]
-    assert "rank 1 (node-b) · wait" in lanes.layout.yaxis.ticktext
+    assert "rank 1 (node-b) · negotiate" in lanes.layout.yaxis.ticktext
     summary_html = view.widget.children[-3].value
     assert "wait %" in summary_html and "<td>67</td>" in summary_html  # 600 of 900 µs
 
@@ -242,9 +242,9 @@ def test_clicking_a_ranks_lane_opens_its_log_tab():
     view.refresh()
     lanes = view.widget.children[-2]
     rows = view.state()["timeline"]["rows"]
-    clicked = next(bars for bars in lanes.data if bars.name == "wait")
+    clicked = next(bars for bars in lanes.data if bars.name == "negotiate")
     clicked._dispatch_on_click(
-        Points(point_inds=[0], xs=[0.3], ys=[rows.index((1, "wait"))], trace_name=clicked.name,
+        Points(point_inds=[0], xs=[0.3], ys=[rows.index((1, "negotiate"))], trace_name=clicked.name,
                trace_index=0),
         InputDeviceState(ctrl=False, alt=False, shift=False, meta=False, button=0, buttons=1))
     assert view.state()["selected_tab"] == 2  # "all ranks", "rank 0", "rank 1"

@@ -176,7 +176,7 @@ def test_make_display_gives_the_run_view_in_a_kernel_unless_text_is_asked_for(mo
 
 def test_a_timeline_run_prints_a_running_summary_every_few_seconds_and_at_the_end(streams, clock):
     display = make_text_display(streams, clock)
-    step = [("scatter_reduce", "grads", 0.0, 300.0, None), ("wait", "handle", 300.0, 700.0, None)]
+    step = [("scatter_reduce", "grads", 0.0, 300.0, None), ("negotiate", "handle", 300.0, 700.0, None)]
     display.handle(TimelineBatch(rank=0, events=step))
     display.refresh()
     assert "[timeline]" not in streams[0].getvalue()  # not before the interval has passed

@@ -16,17 +16,12 @@ import plotly.graph_objects as go
 import pytest
 
 from ddl_magic.runtime.timeline import TimelineRecorder
+from ddl_magic.timeline.analysis import format_summary, lane_category, summarize
 from ddl_magic.timeline.columns import TraceFiles, columnar_path
-from ddl_magic.ui.timeline_viewer import (
-    TraceData,
-    build_figure,
-    format_summary,
-    lane_category,
-    lane_color,
-    load_trace,
-    summarize,
-)
+from ddl_magic.timeline.load import load_trace
+from ddl_magic.timeline.trace import TraceData
 from ddl_magic.ui.show_timeline import show_timeline
+from ddl_magic.ui.timeline_figure import build_figure, lane_color
 
 MB = 1_000_000
 
@@ -61,12 +56,12 @@ def hand_made_trace(path: Path) -> Path:
             ("scatter_reduce", "op", 10.0, 30.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
             ("allgather", "op", 40.0, 30.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
             ("unpack", "op", 70.0, 10.0, None),
-            ("wait", "handle 1", 80.0, 20.0, None),
+            ("negotiate", "handle 1", 80.0, 20.0, None),
             ("user", "step 0", 0.0, 100.0, None),
         ],
         1: [
             ("scatter_reduce", "op", 1000.0, 50.0, {"bytes": big, "tensors": ["a", "b"], "size": 2}),
-            ("wait", "handle 1", 1050.0, 150.0, None),
+            ("negotiate", "handle 1", 1050.0, 150.0, None),
         ],
     }, hosts={0: "node-a", 1: "node-b"})
 
@@ -175,8 +170,8 @@ def test_tensors_given_only_as_a_count_are_no_names(tmp_path: Path) -> None:
 def test_rows_follow_the_fixed_lane_order_per_rank(tmp_path: Path) -> None:
     trace = load_trace(hand_made_trace(tmp_path / "t.json"))
     assert trace.rows == [
-        (0, "user"), (0, "wait"), (0, "pack"), (0, "scatter_reduce"), (0, "allgather"), (0, "unpack"),
-        (1, "wait"), (1, "scatter_reduce"),
+        (0, "user"), (0, "negotiate"), (0, "pack"), (0, "scatter_reduce"), (0, "allgather"),
+        (0, "unpack"), (1, "negotiate"), (1, "scatter_reduce"),
     ]
 
 
@@ -397,7 +392,8 @@ def test_the_shown_summary_of_real_traces_has_no_raw_floats(tmp_path: Path, horo
 
 @pytest.mark.parametrize("lane, category", [
     ("negotiate", "wait"), ("scatter_reduce", "communicate"), ("broadcast", "communicate"),
-    ("pack", "compute"), ("compress", "compute"), ("queue", "wait"), ("wait", "wait"), ("user", "other"),
+    ("pack", "compute"), ("unpack", "compute"), ("shared_memory", "communicate"), ("user", "other"),
+    ("ring_step", "other"), ("QUEUE", "wait"), ("queue", "wait"),
     ("NEGOTIATE_BROADCAST", "wait"), ("MPI_ALLGATHER", "communicate"), ("NCCL_BCAST", "communicate"),
     ("WAIT_FOR_DATA", "wait"), ("MEMCPY_OUT_FUSION_BUFFER", "compute"), ("BROADCAST", "other"),
 ])

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ddl_magic.timeline.columns import ColumnarTraceWriter, TraceFiles, columnar_path, read_columnar_trace
-from ddl_magic.ui.timeline_viewer import load_trace, summarize
+from ddl_magic.timeline.analysis import summarize
+from ddl_magic.timeline.load import load_trace
 
 from trace_files import chrome_events, columnar_events, rank_names_of_chrome_trace
 

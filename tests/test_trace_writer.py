@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ddl_magic.timeline.chrome import LANE_ORDER, TraceWriter
+from ddl_magic.timeline.chrome import TraceWriter
+from ddl_magic.timeline.lanes import LANE_ORDER
 
 
 def read_trace(path: Path) -> dict[str, Any]:

@@ -93,7 +93,7 @@ class TextDisplay:
             if self.quiet:
                 return  # its summary would not be printed
             if self._timeline is None:
-                from ..ui.live_timeline import LiveTimeline
+                from ..timeline.live import LiveTimeline
 
                 self._timeline = LiveTimeline()
             self._timeline.add(event.rank, event.events)

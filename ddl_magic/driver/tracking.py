@@ -263,7 +263,8 @@ def _timeline_metrics(timeline_path: str) -> list:
     What the timeline did not record is left out rather than logged as NaN."""
     from mlflow.entities import Metric
 
-    from ..ui.timeline_viewer import load_trace, summarize
+    from ..timeline.analysis import summarize
+    from ..timeline.load import load_trace
 
     summary = summarize(load_trace(timeline_path))
     now = int(time.time() * 1000)

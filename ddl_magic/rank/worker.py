@@ -34,18 +34,17 @@ import traceback
 
 import cloudpickle
 
-from ..wire.messages import FailureKind
-from ..wire.messages import (Abort, ClockProbe, Failed, Finished, Output, Register, Start,
-                       TimelineEvents, TimelineStart)
-from ..wire.output_lines import forward_lines
-from ..wire.channel import ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError
-from .environment import rank_environment, reserve_port
 from ..runtime import context
 from ..runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, HorovodInternalError
 from ..runtime.timeline import recorder
 from ..runtime.world import Peer, derive_world
 from ..torch import backend as torch_backend
 from ..torch.group_lifetime import keep_destroyed_groups_alive
+from ..wire.channel import ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError
+from ..wire.messages import (Abort, ClockProbe, Failed, FailureKind, Finished, Output, Register,
+                             Start, TimelineEvents, TimelineStart)
+from ..wire.output_lines import forward_lines
+from .environment import rank_environment, reserve_port
 
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
 TIMELINE_SHIP_INTERVAL_S = 0.25

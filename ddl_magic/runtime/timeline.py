@@ -14,9 +14,10 @@ The runtime calls the recorder on its hot path, so the pattern there is::
         recorder.record("scatter_reduce", "allreduce.fc1", start_ns, time.monotonic_ns(),
                         {"bytes": nbytes, "tensors": names, "size": world_size})
 
-Lanes are short strings naming an activity; the runtime uses "user", "wait", "negotiate",
-"queue", "compress", "pack", "scatter_reduce", "allgather", "broadcast" and "unpack", and
-any other string is allowed too.
+Lanes are short strings naming an activity. Every lane the runtime records is listed, with its
+row and the kind of time it records, in one table, ``ddl_magic.timeline.lanes``: a new lane
+belongs there too (``tests/test_timeline_lanes.py`` checks that real runs record no other).
+The recorder itself takes any string.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ class TimelineRecorder:
 
         Example:
             >>> rec = TimelineRecorder()
-            >>> rec.record("queue", "fc1.bias", 0, 10)  # off: nothing kept
+            >>> rec.record("negotiate", "fc1.bias", 0, 10)  # off: nothing kept
             >>> rec.enabled = True
-            >>> rec.record("queue", "fc1.bias", 0, 10, {"bytes": 40})
+            >>> rec.record("negotiate", "fc1.bias", 0, 10, {"bytes": 40})
             >>> rec.drain()
-            [('queue', 'fc1.bias', 0.0, 0.01, {'bytes': 40})]
+            [('negotiate', 'fc1.bias', 0.0, 0.01, {'bytes': 40})]
         """
         if self.enabled:
             self._buffer.append((lane, name, start_ns, end_ns, args))

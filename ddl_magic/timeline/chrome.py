@@ -13,11 +13,12 @@ It is created whole (header and tail written to a temporary file that is renamed
 place), and each batch is appended by one ``pwrite`` that overwrites the closing tail and
 puts it back after the new events. Killing the driver between two writes therefore leaves a
 valid file. The only moment a reader could see a torn file is inside that one system call,
-and ``ddl_magic.ui.timeline_viewer.load_trace`` reads such a file up to its last complete
+and ``ddl_magic.timeline.load.load_trace`` reads such a file up to its last complete
 event anyway.
 
 Events are complete events (``"ph": "X"``) with ``pid`` = rank and ``tid`` = lane, so
-chrome://tracing, Perfetto and our viewer show one row per (rank, lane).
+chrome://tracing, Perfetto and our viewer show one row per (rank, lane); our lanes' rows
+follow the lane table (``lanes.py``).
 """
 
 from __future__ import annotations
@@ -30,19 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-LANE_ORDER: tuple[str, ...] = (
-    "user",
-    "wait",
-    "negotiate",
-    "queue",
-    "compress",
-    "pack",
-    "scatter_reduce",
-    "allgather",
-    "broadcast",
-    "unpack",
-)
-"""Known lanes, in the order an allreduce goes through them; this fixes their rows."""
+from .lanes import LANE_ORDER
 
 _HEADER = b'{"displayTimeUnit":"ms","otherData":{"producer":"ddl_magic"},"traceEvents":[\n'
 _TAIL = b"\n]}\n"

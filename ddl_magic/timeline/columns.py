@@ -1,6 +1,6 @@
 """The run's timeline once more, in columns: an Arrow IPC stream the viewer reads without JSON.
 
-The Chrome trace (``trace_writer``) is what chrome://tracing and Perfetto open, but parsing a
+The Chrome trace (``chrome.py``) is what chrome://tracing and Perfetto open, but parsing a
 million events of JSON takes Python seconds. Beside it the driver writes the same events to
 ``<trace>.arrow`` (``run.timeline.json`` -> ``run.timeline.arrow``), one record batch per
 batch the ranks sent::
@@ -38,7 +38,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from .chrome import LANE_ORDER, TraceWriter, args_json
+from .chrome import TraceWriter, args_json
+from .lanes import LANE_ORDER
 
 COLUMNAR_SUFFIX = ".arrow"
 

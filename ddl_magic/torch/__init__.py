@@ -37,6 +37,7 @@ from .process_set_rings import add_process_set, remove_process_set
 from .process_sets import ProcessSet, global_process_set
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline, timeline_span
+from . import elastic  # hvd.elastic.run, TorchState, ElasticSampler: Horovod's elastic API
 
 _backend.register()  # dist.init_process_group("ddl") works wherever this is imported
 
@@ -54,5 +55,5 @@ __all__ = [
     "Sum", "Average", "Min", "Max", "Product", "Adasum", "Compression",
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "SyncBatchNorm",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError",
+    "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError", "elastic",
 ]

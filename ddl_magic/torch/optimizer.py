@@ -203,6 +203,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # As Horovod's: loading a state (an elastic restore after a failed step, a checkpoint)
+        # forgets the averaging of the step it replaces, so the next backward starts afresh.
+        for bucket in self._buckets:
+            bucket.reset()
+        self._sparse_in_flight.clear()
+        self._made_dense.clear()
+        self._synchronized = False
+        super(self.__class__, self).load_state_dict(state_dict)
+
     def zero_grad(self, set_to_none: bool = True):
         if any(bucket.waiting < len(bucket.params) for bucket in self._buckets):
             raise AssertionError("DistributedOptimizer: zero_grad() was called while gradients "

@@ -312,7 +312,7 @@ class RunView:
 
     def _add_timeline(self, batch: TimelineBatch) -> None:
         if self._live is None:
-            from .live_timeline import LiveTimeline
+            from ..timeline.live import LiveTimeline
 
             self._live = LiveTimeline()
         self._rank(batch.rank)
@@ -356,7 +356,8 @@ class RunView:
         its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
         trace = None
         if self.timeline_path is not None and os.path.exists(self.timeline_path):
-            from .timeline_viewer import load_trace, summary_report
+            from ..timeline.analysis import summary_report
+            from ..timeline.load import load_trace
 
             try:
                 trace = load_trace(self.timeline_path)
@@ -376,7 +377,7 @@ class RunView:
             self.timeline_text = self._live.summary_line(self._finished_at - self._started_at)
 
     def _render_timeline_summary(self, heading: str) -> str:
-        from .live_timeline import KINDS
+        from ..timeline.live import KINDS
 
         summary, shares, kinds = self._live.summary(), self._live.shares(), self._live.recorded_kinds()
         rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{shares[rank][i]}</td>' for i in kinds)}"

@@ -1,12 +1,14 @@
 """`ddl_magic.show_timeline`: a run's timeline in the notebook, as a figure that redraws at
-full detail when zoomed (`timeline_widget.py`) over the viewer's summary
-(`timeline_viewer.py`); outside IPython, the summary alone."""
+full detail when zoomed (`timeline_widget.py`) over its summary (`timeline/analysis.py`);
+outside IPython, the summary alone."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .timeline_viewer import DEFAULT_MAX_SHAPES, load_trace, summary_report
+from ..timeline.analysis import summary_report
+from ..timeline.load import load_trace
+from .timeline_figure import DEFAULT_MAX_SHAPES
 from .timeline_widget import ZoomableTimeline
 
 

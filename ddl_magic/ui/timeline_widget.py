@@ -20,7 +20,8 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
-from .timeline_viewer import DEFAULT_MAX_SHAPES, TraceData, figure_parts
+from ..timeline.trace import TraceData
+from .timeline_figure import DEFAULT_MAX_SHAPES, figure_parts
 
 ZOOM_HINT = "zoom in to see every event"
 

@@ -1,20 +1,21 @@
 """A run's timeline while it trains: the lanes so far, and where each rank's time went.
 
 The driver already receives every rank's timeline in batches (about one a second per rank)
-to write the trace files; the displays hand the same batches to a ``LiveTimeline``, which
-keeps what drawing and a running summary need and nothing else:
+to write the trace files; the displays (the notebook's run view, the driver's text display)
+hand the same batches to a ``LiveTimeline``, which keeps what drawing and a running summary
+need and nothing else:
 
 - per rank, the time spent computing, communicating and waiting, added up batch by batch
   (``summary``, ``summary_line``), so the slow rank is visible while it is slow;
 - every event's (rank, lane, start, end), merged into fewer intervals when a long run makes
-  them many (``trace`` gives them to ``build_figure``, which draws busy intervals).
+  them many (``trace`` gives them to ``ui/timeline_figure.py``, which draws busy intervals).
 
 Cheap by design: a batch costs a few numpy calls, and the figure is drawn by the display at
-most once a second.
+most once a second. Numbers only, no widget: a display without a notebook uses it too.
 
 Example:
     >>> live = LiveTimeline()
-    >>> live.add(0, [("scatter_reduce", "grads", 0.0, 300.0, None), ("wait", "h", 300.0, 700.0, None)])
+    >>> live.add(0, [("scatter_reduce", "grads", 0.0, 300.0, None), ("negotiate", "n", 300.0, 700.0, None)])
     >>> live.summary_line(elapsed_s=1.0)
     '[timeline] 1.0 s · % of time waiting/communicating: rank 0 70/30'
 """
@@ -29,18 +30,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..timeline.chrome import LANE_ORDER
-from .timeline_viewer import (
-    NOT_MEASURED,
-    TraceData,
-    events_table,
-    format_percent,
-    merge_intervals,
-    union_length,
-    lane_category,
-)
+from .analysis import NOT_MEASURED, format_percent, lane_category, merge_intervals, union_length
+from .lanes import KINDS, LANE_ORDER
+from .trace import TraceData, events_table
 
-KINDS = ("wait", "communicate", "compute")
 _KIND_WORDS = {"wait": "waiting", "communicate": "communicating", "compute": "computing"}
 COMPACT_AT = 200_000
 """When this many intervals are kept, each row's are merged (``_compact``)."""

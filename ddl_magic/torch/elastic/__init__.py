@@ -1,0 +1,116 @@
+"""Elastic training, Horovod's API: the run goes on when ranks are lost or join.
+
+    import ddl_magic.torch as hvd                     # was: import horovod.torch as hvd
+
+    hvd.init()
+    model, optimizer = Net(), torch.optim.Adam(...)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch in range(state.batch, batches_per_epoch):
+                step()
+                state.commit()                        # in memory: a failure resumes here
+            state.batch = 0
+
+    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+    state.register_reset_callbacks([lambda: set_lr(base_lr * hvd.size())])
+    train(state)
+
+What each part does: `state.py` (commit, restore, sync), `resets.py` (the loop that runs
+the function again after a reset), `sampler.py` (data dealt out again over the new world),
+`rendezvous.py` (how a rank re-forms its world), `notices.py` (host changes announced by
+the driver), `exceptions.py`.
+
+
+The driver's side of a reset (to build; the rank's side is here)
+================================================================
+
+A rank re-forms its world through the `ElasticRendezvous` that its worker installs
+(`rendezvous.install`) before the user's code runs. Without one, a rank uses `SameWorld`:
+a reset then reconnects the same ranks, which works while all of them live (tested), and
+a lost rank ends the run as today. What the driver and the worker must provide:
+
+1. **The messages.** `ResetRequest` (rank -> driver: the world that ended, the rank's
+   number in it, why, the error, its commit count) and `WorldPlan` (driver -> rank: the
+   next world's number, this rank's number in it or None, the peer table) become frozen
+   dataclasses in `wire/`, plus a "run cannot go on" answer carrying the reason, which
+   the worker's `next_world` raises as `ElasticRunFailed`, and a host-update notice
+   (timestamp, `HostUpdateResult`) that the worker passes to `notify_hosts_updated`. Today
+   the worker's control thread (`rank/worker.py: _obey_driver`) takes any message for an
+   abort: it must dispatch by type, handing plans to the waiting `next_world`. After a
+   plan the worker refreshes the rank's environment (`RANK`, `HOROVOD_RANK`, ... from
+   `rank_environment`), which `reform_world` cannot reach from this layer.
+
+2. **When a reset starts.** A rank's process ends (the factory or the Spark task reports
+   it), or a rank asks (its collective raised `HorovodInternalError`). The survivors'
+   collectives end by themselves: a peer that died or shut down closes its connections
+   (`PeerLostError` at once), a stopped one is named after `DDL_MAGIC_PEER_TIMEOUT`. A
+   survivor busy outside collectives asks at its next one. The driver collects a request
+   from every live rank of the ended world, with a deadline (the peer timeout): a rank
+   that has not asked by then is hung, and is killed and counted as lost.
+
+3. **The new world.** Survivors, then replacements (local: forked from the factory;
+   Spark: tasks where slots are free), up to `max_np`. New rank 0 is the oldest survivor
+   (the lowest rank of the oldest generation): its state is the latest commit, and `sync`
+   broadcasts from rank 0. Survivors keep their order; a survivor's ring listener, host
+   and secret are unchanged (they live in its bootstrap across resets), so the peer table
+   is built from the registrations the driver already has. Every member gets the same
+   generation and table; a rank left out (above `max_np`, on a blacklisted host) gets
+   `rank=None` and raises `RankRetired`, which its worker reports as retired, exit 0.
+   A replacement starts with `install(rendezvous, generation)`, runs the user's code from
+   the top, and its `hvd.init()` joins the new world; its `hvd.elastic.run` then syncs
+   with the survivors, who are waiting in the sync that follows their reset. The user's
+   code must therefore run no collective before the decorated function (Horovod's rule).
+
+4. **Below `min_np`.** The driver waits for ranks to come back or be started, at most
+   `HOROVOD_ELASTIC_TIMEOUT` (600 s, Horovod's default; a shorter default is worth
+   considering for notebooks), then answers "cannot go on" with how many ranks it had
+   and needed; every waiting rank raises `ElasticRunFailed` with that message, and the
+   run fails with it. `next_world` must never wait longer than that deadline plus a
+   margin: every wait has a deadline.
+
+5. **No endless restarts.** The driver counts failures per host and blacklists a host
+   after a documented number (Horovod: at the first, with an optional cooldown); it
+   stops the run after `--reset-limit` resets and when no host is left. The ranks bound
+   resets themselves too (`DDL_MAGIC_ELASTIC_RESET_LIMIT`, default 10, see `resets.py`):
+   the driver passes its limit in that variable so both agree.
+
+6. **Graceful changes.** When a host comes back (Spark: an executor returns) or is to be
+   removed, the driver sends every rank a host-update notice; each raises
+   `HostsUpdatedInterrupt` at its next `commit()`/`check_host_updates()` (all at the same
+   point: ranks agree on notices by a max-allreduce), then asks for the next world with
+   reason `HOSTS_UPDATED`. Nothing is rolled back.
+
+7. **Spark.** Barrier mode gives gang scheduling but fails every task of the stage when
+   one fails, and may retry the stage: a lost executor would take all the commits (they
+   live in the ranks' memory) with it. An elastic Spark run therefore cannot be one
+   barrier stage for its whole life. As `horovod.spark.run_elastic` does, its ranks run in
+   tasks that fail alone: tasks of a non-barrier stage (or one job per rank) with Spark's
+   retries off (`spark.task.maxFailures` of 1 for these jobs), so that Spark never reruns
+   training behind the driver's back; a retired rank ends its task successfully, and
+   replacements are new tasks submitted where slots are free. Gang start is then the
+   driver's rendezvous, bounded by the wait for `min_np`.
+
+8. **What a reset does not carry over.** Process sets (every rank adds them again, in a
+   reset callback), `torch.distributed` groups over the `ddl` backend, and the timeline
+   recorder's ring-specific lanes; a pool's rank namespaces survive on survivors, and
+   replacements start empty (the pool must tell the user which ranks were replaced).
+"""
+
+from ...runtime.errors import HorovodInternalError
+from .exceptions import ElasticRunFailed, HostsUpdatedInterrupt, HostUpdateResult, RankRetired
+from .notices import notify_hosts_updated
+from .rendezvous import (ElasticRendezvous, ResetReason, ResetRequest, SameWorld, WorldPlan,
+                         install)
+from .resets import run, run_fn
+from .sampler import ElasticSampler
+from .state import ObjectState, State, TorchState
+
+__all__ = [
+    "run", "run_fn", "State", "ObjectState", "TorchState", "ElasticSampler",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "HostUpdateResult", "RankRetired",
+    "ElasticRunFailed", "notify_hosts_updated", "ElasticRendezvous", "ResetRequest",
+    "WorldPlan", "ResetReason", "SameWorld", "install",
+]
