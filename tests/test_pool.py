@@ -368,3 +368,22 @@ def test_what_a_cell_leaves_behind_in_the_ring_never_reaches_the_next_cell():
         assert cell(pool, total) == 3.0  # not 100 + 2: the leftover never pairs with this one
         cell(pool, "hvd.shutdown()")
         assert cell(pool, "hvd.init()\n" + total) == 3.0
+
+
+def test_a_pool_started_with_a_timeline_records_each_cell(kernel):
+    kernel.run("%horovod stop")
+    try:
+        _cell(kernel, "%horovod start -np 2 --timeline", timeout=180)
+        for cell in (1, 2):
+            _cell(kernel, "%%horovod --quiet\n" + HVD +
+                  f"for i in range(3):\n    hvd.allreduce(torch.ones(8), name=f'cell{cell}.{{i}}')")
+            read = _cell(kernel, "import json, ddl_magic\npath = ddl_magic.last_run().timeline_path\n"
+                                 "events = json.load(open(path))\n"
+                                 "events = events if isinstance(events, list) else events['traceEvents']\n"
+                                 "(path, sorted({e.get('pid') for e in events if 'pid' in e}), "
+                                 "sorted({e['name'] for e in events if e.get('name', '').startswith('cell')}))")
+            path, pids, names = eval(read.result)
+            assert path.endswith(f"-cell-{cell}.json") and pids == [0, 1]
+            assert names == [f"cell{cell}.{i}" for i in range(3)]  # this cell's, and only its
+    finally:
+        kernel.run("%horovod stop")

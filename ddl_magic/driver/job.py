@@ -41,6 +41,12 @@ def last_run() -> RunResult | None:
     return _last_run
 
 
+def remember_run(record: RunResult) -> None:
+    """`record` is the most recent run (a pool's cell: `pool.py`)."""
+    global _last_run
+    _last_run = record
+
+
 @dataclass
 class JobOptions:
     timeout_s: float | None = None

@@ -46,10 +46,10 @@ from typing import Any
 
 import cloudpickle
 
-from . import job as _job
 from .attribution import describe_exit
 from .control import ControlServer
 from .display import DisplayFactory, text_display
+from .job import remember_run
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
                      RankStarted)
 from .run_result import RankFailedError, RunResult, RunTimeoutError
@@ -154,6 +154,7 @@ class Pool:
         self._server: _PoolServer | None = None
         self._running_ranks: set[int] = set()
         self._gone: dict[int, str] = {}  # rank -> how it was lost
+        self._launcher_stopped = False
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -173,6 +174,9 @@ class Pool:
         return self
 
     def _start(self) -> None:
+        if self._launcher_stopped:  # a restart: a fresh launcher, on today's session
+            self.launcher = type(self.launcher)()
+            self._launcher_stopped = False
         self.launcher.check(self.np)
         transport = transport_choice(self.env.get(TRANSPORT_VARIABLE,
                                                   os.environ.get(TRANSPORT_VARIABLE)))
@@ -225,7 +229,9 @@ class Pool:
         (broken), so that the next cell says what happened."""
         global _active
         try:
-            self.launcher.stop()
+            if not self._launcher_stopped:  # once: the pids it knows may be reused after that
+                self._launcher_stopped = True
+                self.launcher.stop()
         finally:
             if self._server is not None:
                 self._server.close()
@@ -275,7 +281,7 @@ class Pool:
         record = RunResult(f"{self.pool_id}-cell-{self.cells}", self.np,
                            f"{self.launcher.where} (pool)", log_dir=cell_dir, timeline_path=timeline)
         record.ranks = new_records(self.np, cell_dir)
-        _job._last_run = record  # `last_run()` is the last cell
+        remember_run(record)  # `last_run()` is the last cell
         display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
                                title=title or f"pool cell {self.cells}", timeline_path=timeline)
         watcher = RunWatcher(record, display, timeline)
@@ -284,7 +290,7 @@ class Pool:
                 watcher.handle(RankStarted(rank, self.hosts[rank], self.pids[rank]))
             else:
                 record.ranks[rank].end(RankStatus.DONE, "not in --ranks")
-                watcher._results[rank] = None  # not waited for
+                watcher.leave_out(rank)
         events = _CellEvents(self, epoch, selected)
         self._server.begin_cell(epoch, selected)
         self.state = PoolState.RUNNING
@@ -434,6 +440,10 @@ class Pool:
             raise PoolError("the pool is stopped: `%horovod start -np N` starts a new one")
 
     def already_running(self) -> str:
+        if self.state is PoolState.BROKEN:
+            return (f"a pool of {self.np} ranks is there, broken ({self.broken_reason}): "
+                    "`%horovod restart` for fresh ranks with its options, or `%horovod stop` "
+                    "it before starting another")
         return (f"a pool of {self.np} ranks is already {self.state.value} "
                 f"({self.launcher.where}): run cells on it, `%horovod restart` for fresh "
                 "ranks, or `%horovod stop` it before starting another")

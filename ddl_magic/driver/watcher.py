@@ -72,6 +72,11 @@ class RunWatcher:
         self._stopping = False
         self._last_refresh = 0.0
 
+    def leave_out(self, rank: int) -> None:
+        """The run does not wait for `rank`, which does not take part (a pool's cell run on
+        some ranks only)."""
+        self._results[rank] = None
+
     def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
         """Handle events until every rank finished; raise RankFailedError on the first failure."""
         started = time.monotonic()

@@ -15,10 +15,12 @@ How a cell is stopped. The driver sends a message, never a signal (only processe
 started are ever signalled, and never the kernel's process group). The control thread
 aborts the runtime's collectives (each ends with `CollectiveAbortedError` saying why: every
 rank gets the message, so a collective in flight ends on every rank) and sends SIGINT to
-its own main thread alone (`pthread_kill`), which wakes whatever it sleeps in; it repeats
-that until the cell ends, for code that swallowed the first. The SIGINT handler raises
-KeyboardInterrupt only while the cell the driver stopped still runs: a signal that lands
-after the cell ended is ignored, and so is a Ctrl-C from a terminal.
+its own main thread alone (`pthread_kill`), which wakes whatever it sleeps in, unless the
+cell ended within `INTERRUPT_AFTER_S` (it was waiting in a collective); it repeats that until
+the cell ends, for code that swallowed the first. The SIGINT handler raises
+KeyboardInterrupt only in the cell's own code, and only while the cell the driver stopped
+still runs: a signal that lands after the cell ended is ignored, and so is a Ctrl-C from a
+terminal.
 
 Every collective belongs to its cell. A cell that failed or was stopped leaves its ring
 aborted, or something in flight, and the rank says so (`CellEnded.ring_ok`); the driver then
@@ -54,8 +56,10 @@ from ..wire.messages import (CELL_END_MARK, Abort, CancelCell, CellEnded, Failed
                              Finished, FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
 from ..wire.tasks import CellTask
 
-# How often a stopped cell that goes on running is interrupted again (it caught the first
-# KeyboardInterrupt), and for how long: the driver gives up on it after that.
+# A stopped cell waiting in a collective ends at once, with the error saying why; one busy
+# elsewhere is interrupted after this long. Then again every INTERRUPT_AGAIN_S (it caught the
+# KeyboardInterrupt), for INTERRUPT_FOR_S at most: the driver gives up on it before that.
+INTERRUPT_AFTER_S = 0.2
 INTERRUPT_AGAIN_S = 0.5
 INTERRUPT_FOR_S = 30.0
 
@@ -95,6 +99,7 @@ class _CellLoop:
         self._stop_reason: str | None = None  # why the running cell is being stopped
         self._stopped_early: set[int] = set()  # cells stopped before they started here
         self._ended = threading.Event()  # the running cell ended
+        self._in_cell_code = False  # the main thread runs the cell's own code (not its report)
 
     # ---- the control thread ---------------------------------------------------------------
 
@@ -131,6 +136,8 @@ class _CellLoop:
                          daemon=True).start()
 
     def _interrupt(self, epoch: int) -> None:
+        if self._ended.wait(INTERRUPT_AFTER_S):
+            return
         deadline = time.monotonic() + INTERRUPT_FOR_S
         while self._running == epoch and time.monotonic() < deadline:
             signal.pthread_kill(self._main_thread, signal.SIGINT)
@@ -140,7 +147,7 @@ class _CellLoop:
     # ---- the main thread ------------------------------------------------------------------
 
     def on_sigint(self, signum, frame) -> None:
-        if self._running is not None and self._stop_reason is not None:
+        if self._in_cell_code and self._running is not None and self._stop_reason is not None:
             raise KeyboardInterrupt(self._stop_reason)
 
     def serve(self) -> None:
@@ -203,6 +210,13 @@ class _CellLoop:
         self._end(cell.epoch, outcome)
 
     def _call(self, task_bytes: bytes):
+        self._in_cell_code = True
+        try:
+            return self._call_task(task_bytes)
+        finally:
+            self._in_cell_code = False
+
+    def _call_task(self, task_bytes: bytes):
         task = cloudpickle.loads(task_bytes)
         if not isinstance(task, CellTask):
             return task.run()
