@@ -11,6 +11,8 @@ number is what the user waits for in the notebook, the kernel's own messaging in
    it an empty cell, the kernel's own floor;
 2. the same cell one-shot (`%%horovod -np 2`): fresh ranks forked from the warm factory;
 3. `%horovod start -np 2` with the factory warm (stopped and started again each time);
+   a training step (small MLP, DistributedOptimizer) timed on rank 0, in a pool cell and in
+   a one-shot cell; with `--spark`, the trivial cell on a pool of Spark barrier tasks;
 4. the ranks' CPU while the pool is idle, as % of one core per rank (from /proc);
 5. the ranks' file descriptors, threads and resident memory before and after the cells.
 
@@ -102,6 +104,61 @@ def _footprint(pid: int) -> dict[str, int]:
             "threads": len(os.listdir(f"/proc/{pid}/task")), "rss_mb": resident // 2**20}
 
 
+# A training step of a small MLP with the distributed optimizer, timed on the rank: the same
+# in a pool cell and in a one-shot cell (the pool must not slow the step itself).
+TRAIN_STEPS = """
+import time
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.01),
+                               named_parameters=net.named_parameters())
+x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+times = []
+for step in range(60):
+    began = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    opt.step()
+    times.append(time.perf_counter() - began)
+sorted(times[10:])[25] * 1e3
+"""
+SPARK_SETUP = """
+import os, sys
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local[4]").config("spark.ui.enabled", "false")
+         .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+"""
+
+
+def _train_step_ms(kernel: "_Kernel", head: str) -> float:
+    """The median step time (ms) rank 0 measured in a cell run as `head`."""
+    _, text = _checked(kernel, f"{head} --quiet -o step_ms\n{SETUP}{TRAIN_STEPS}")
+    return float(_checked(kernel, "print(step_ms)")[1])
+
+
+def _spark_pool(cells: int) -> dict[str, float] | None:
+    """The trivial cell on a pool of 2 Spark barrier tasks (local[4], classic)."""
+    try:
+        import pyspark  # noqa: F401 - only to know whether it is installed
+    except ImportError:
+        return None
+    kernel = _Kernel()
+    try:
+        _checked(kernel, "%load_ext ddl_magic\nimport torch")
+        _checked(kernel, SPARK_SETUP)
+        _checked(kernel, f"%horovod start -np {NP}")
+        _checked(kernel, f"%%horovod --quiet\n{SETUP}")
+        for _ in range(5):
+            _checked(kernel, f"%%horovod --quiet\n{TRIVIAL}")
+        times = [_checked(kernel, f"%%horovod --quiet\n{TRIVIAL}")[0] for _ in range(cells)]
+        _checked(kernel, "%horovod stop\nspark.stop()")
+    finally:
+        kernel.close()
+    return _percentiles(times)
+
+
 IPYPARALLEL_SETUP = """
 import ipyparallel as ipp
 cluster = ipp.Cluster(n=2, log_level=40)
@@ -175,6 +232,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer cells, 10 s of idle")
     parser.add_argument("--cells", type=int, help="cells of each kind (default 200, --quick 40)")
     parser.add_argument("--idle", type=float, help="seconds of idle measured (default 60, --quick 10)")
+    parser.add_argument("--spark", action="store_true",
+                        help="also the trivial cell on a pool of Spark barrier tasks (local[4])")
     parser.add_argument("--compare", action="store_true",
                         help="also ipyparallel's %%%%px and nbdistributed's %%%%distributed on 2 "
                              "workers, where installed (pip install ipyparallel nbdistributed)")
@@ -214,8 +273,11 @@ def main() -> None:
         _checked(kernel, "import os\nos.environ['DDL_MAGIC_DISPLAY'] = ''")
         run_view = [_checked(kernel, f"%%horovod\n{TRIVIAL}")[0] for _ in range(min(cells, 100))]
         _checked(kernel, "os.environ['DDL_MAGIC_DISPLAY'] = 'text'")
-        # one pool for the footprint: all its cells, then idle
+        # a training step inside a pool cell and inside a one-shot cell
+        step_pool = [_train_step_ms(kernel, "%%horovod") for _ in range(5)]
         _checked(kernel, "%horovod stop")
+        step_one_shot = [_train_step_ms(kernel, f"%%horovod -np {NP}") for _ in range(5)]
+        # one pool for the footprint: all its cells, then idle
         _, text = _checked(kernel, f"%horovod start -np {NP}")
         pids = _pids(text)
         _checked(kernel, f"%%horovod --quiet\n{SETUP}")
@@ -233,6 +295,7 @@ def main() -> None:
         _checked(kernel, "%horovod stop")
     finally:
         kernel.close()
+    spark = _spark_pool(min(cells, 100)) if args.spark else None
     peers = {}
     if args.compare:
         peers = {"ipyparallel %%px": _compare_ipyparallel(min(cells, 100)),
@@ -253,6 +316,10 @@ def main() -> None:
          f"<= {TARGETS['start_s']:g} s"],
         *[[f"trivial cell, {name}", f"{stats['median_ms']:.1f} ms", f"{stats['p90_ms']:.1f} ms",
            "(peer)"] for name, stats in peers.items() if stats is not None],
+        *([["trivial cell, pool on Spark local[4]", f"{spark['median_ms']:.1f} ms",
+             f"{spark['p90_ms']:.1f} ms", "<= 50 ms"]] if spark else []),
+        ["training step, pool cell / one-shot", f"{statistics.median(step_pool):.2f} ms",
+         f"{statistics.median(step_one_shot):.2f} ms", "equal within noise"],
         [f"idle pool, {elapsed:.0f} s, per rank", f"{max(idle):.2f} % core", "",
          f"<= {TARGETS['idle_core_percent']:g} %"],
     ]
@@ -265,7 +332,8 @@ def main() -> None:
     path = write_results("pool", {
         "np": NP, "cells": cells, "pool_cell": pool_stats, "one_shot_cell": one_shot_stats,
         "pool_cell_run_view": run_view_stats, "empty_cell": floor_stats,
-        "load_average_at_start": load, "peers": peers,
+        "load_average_at_start": load, "peers": peers, "spark_pool_cell": spark,
+        "train_step_ms": {"pool": step_pool, "one_shot": step_one_shot},
         "start_s": starts, "idle_seconds": elapsed, "idle_core_percent_per_rank": idle,
         "footprint_before": before, "footprint_after": after, "targets": TARGETS,
         "met": {"pool_median": pool_stats["median_ms"] <= TARGETS["pool_median_ms"],
