@@ -151,13 +151,7 @@ class OpQueue:
         waits of the transports under it (a pool's cell was stopped). The queue is then
         unusable: the pool forms a fresh ring, after `close`."""
         self._fail(error)
-        plane = self._runner.plane
-        for part in ("host_group", "transport", "_transport", "cross"):
-            target = getattr(plane, part, None)
-            if target is not None and part == "host_group":
-                target.abort(str(error))
-            elif target is not None:
-                target.abort()
+        self._runner.plane.abort(str(error))
         self._wake()
 
     @property

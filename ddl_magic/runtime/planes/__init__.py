@@ -70,6 +70,10 @@ class DataPlane(Protocol):
     def gpu_memory(self, device: torch.device):
         """GPU memory the ranks map between them on `device`, where the plane has it."""
 
+    def abort(self, reason: str) -> None:
+        """End every wait of this plane now, from any thread (a pool's cell was stopped):
+        each raises, naming `reason`. The plane is unusable after; `close` follows."""
+
     def close(self) -> None: ...
 
 

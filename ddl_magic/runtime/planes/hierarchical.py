@@ -42,6 +42,11 @@ class HierarchicalPlane(RingPlane):
                          size=self.transport.world.size):
             self.host_group.allreduce(buffer, op.kernel_name, across_hosts)
 
+    def abort(self, reason: str) -> None:
+        super().abort(reason)
+        self.cross.abort()
+        self.host_group.abort(reason)
+
     def close(self) -> None:
         super().close()
         self.cross.close()

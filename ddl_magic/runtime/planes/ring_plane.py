@@ -48,6 +48,9 @@ class RingPlane:
     def gpu_memory(self, device: torch.device) -> None:
         return None
 
+    def abort(self, reason: str) -> None:
+        self.transport.abort()
+
     def close(self) -> None:
         self.transport.close()
 

@@ -49,6 +49,10 @@ class SharedMemoryPlane:
     def gpu_memory(self, device: torch.device):
         return self.host_group.gpu_memory(device)
 
+    def abort(self, reason: str) -> None:
+        self.host_group.abort(reason)
+        self._transport.abort()
+
     def close(self) -> None:
         self._transport.close()
         self.host_group.close()
