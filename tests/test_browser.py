@@ -299,11 +299,12 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
     boxes = browser.evaluate(WARNING_BOXES)
     browser.screenshot(tmp_path / "lab_01.png")
     assert boxes == [], f"lab 01 shows error or warning boxes: {boxes}"
-    # Its two runs finished: both run views say so, and the report cell's numbers are there.
+    # Its runs finished: every run view says so, and the report cell's numbers are there.
     finished = browser.evaluate("""[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
         .filter(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status'))
         .map(box => box.textContent.includes('done in'))""")
-    assert finished == [True, True], finished
+    # the two one-shot runs, then Part 3½'s pool cells (two trainings, two evaluations)
+    assert finished == [True] * 6, finished
     print(f"lab 01 ran in JupyterLab in {took:.0f} s")
 
 
