@@ -305,6 +305,14 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
         .map(box => box.textContent.includes('done in'))""")
     # the two one-shot runs, then Part 3½'s pool cells (two trainings, two evaluations)
     assert finished == [True] * 6, finished
+    # A pool cell's run view: its title says so, and both ranks trained on from where they were.
+    pool_view = ("[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')].filter(box => "
+                 "[...box.querySelectorAll('th')].some(th => th.textContent === 'status'))[3]")
+    shown = browser.evaluate(f"(() => {{ const view = {pool_view}; view.scrollIntoView(); "
+                             "return view.textContent; })()")
+    assert "(pool)" in shown and "150 epochs" in shown, shown
+    browser.screenshot(tmp_path / "lab_01_pool_cell.png", element=pool_view)
+    assert (tmp_path / "lab_01_pool_cell.png").stat().st_size > 5_000
     print(f"lab 01 ran in JupyterLab in {took:.0f} s")
 
 
