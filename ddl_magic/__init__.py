@@ -15,7 +15,8 @@ value); plain torch.distributed code (DDP, FSDP) runs the same way, or through p
 import importlib
 
 __all__ = ["HorovodRunner", "Pool", "RankFailedError", "RunResult", "TorchDistributor",
-           "distributed", "last_run", "load_ipython_extension", "show_timeline", "start"]
+           "active_pool", "distributed", "last_run", "load_ipython_extension", "show_timeline",
+           "start"]
 
 # Imported when first used, not with the package: a rank or a Spark task imports
 # `ddl_magic.<module>` and must not pay for the driver's run machinery and notebook UI.
@@ -23,7 +24,8 @@ _DRIVER_API = {"HorovodRunner": ".frontends.runner", "RankFailedError": ".driver
                "RunResult": ".driver.run_result", "last_run": ".driver.job",
                "TorchDistributor": ".frontends.torch_distributor",
                "distributed": ".frontends.decorator",
-               "Pool": ".driver.pool", "start": ".frontends.pool_magic"}
+               "Pool": ".driver.pool", "active_pool": ".driver.pool",
+               "start": ".frontends.pool_magic"}
 
 
 def __getattr__(name: str):

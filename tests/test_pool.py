@@ -385,5 +385,11 @@ def test_a_pool_started_with_a_timeline_records_each_cell(kernel):
             path, pids, names = eval(read.result)
             assert path.endswith(f"-cell-{cell}.json") and pids == [0, 1]
             assert names == [f"cell{cell}.{i}" for i in range(3)]  # this cell's, and only its
+        session = _cell(kernel, "import json, ddl_magic\nsession = ddl_magic.active_pool().session_timeline()\n"
+                                "sorted({e['name'] for e in json.load(open(session)) "
+                                "if e.get('name', '').startswith('cell')})")
+        assert eval(session.result) == [f"cell{cell}.{i}" for cell in (1, 2) for i in range(3)]
+        shown = kernel.run("ddl_magic.show_timeline(session)")
+        assert shown.error is None, shown.error
     finally:
         kernel.run("%horovod stop")

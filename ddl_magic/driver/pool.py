@@ -35,6 +35,7 @@ import atexit
 import collections
 import enum
 import itertools
+import json
 import os
 import queue
 import tempfile
@@ -500,6 +501,32 @@ class Pool:
                                   reply.rss_bytes if reply else None,
                                   reply.uptime_s if reply else None))
         return infos
+
+    def session_timeline(self) -> str:
+        """One trace of every cell so far, for a pool started with a timeline: its path, for
+        `ddl_magic.show_timeline(path)`. (Each cell's own trace is its run's: `last_run()`.)
+        The cells' events are on one clock, the driver's, so they line up as they ran."""
+        if not self.timeline_path:
+            raise PoolError("this pool records no timeline: start it with "
+                            "%horovod start -np N --timeline (or ddl_magic.start(timeline=''))")
+        events, metadata = [], set()
+        for cell in range(1, self.cells + 1):
+            path = f"{self.timeline_path}-cell-{cell}.json"
+            if not os.path.exists(path):
+                continue  # a cell that recorded nothing
+            with open(path, encoding="utf-8") as trace:
+                loaded = json.load(trace)
+            for event in loaded if isinstance(loaded, list) else loaded.get("traceEvents", []):
+                if event.get("ph") == "M":  # a rank's name: once
+                    key = json.dumps(event, sort_keys=True)
+                    if key in metadata:
+                        continue
+                    metadata.add(key)
+                events.append(event)
+        path = f"{self.timeline_path}-session.json"
+        with open(path, "w", encoding="utf-8") as trace:
+            json.dump(events, trace)
+        return path
 
     def __repr__(self) -> str:
         return f"<ddl_magic pool: {self.np} ranks, {self.state.value}, {self.cells} cells>"
