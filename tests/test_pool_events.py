@@ -1,4 +1,4 @@
-"""How one pool cell's watcher sees the pool's event queue (`driver/pool._CellEvents`), without
+"""How one pool cell's watcher sees the pool's event queue (`driver/pool_server.CellEvents`), without
 processes: a rank's end of the cell comes after its last line, a late word about another cell
 is dropped, and a lost rank's failure waits for its exit status."""
 
@@ -6,15 +6,15 @@ import queue
 
 import pytest
 
-from ddl_magic.driver import pool as pool_module
+from ddl_magic.driver import pool_server
 from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput
-from ddl_magic.driver.pool import CellEndedOn, _CellEvents
+from ddl_magic.driver.pool_server import CellEndedOn, CellEvents
 from ddl_magic.wire.channel import ABORTED_EXIT_CODE
 from ddl_magic.wire.messages import CELL_END_MARK, CellEnded, Failed, Finished
 
 
 class _Pool:
-    """What `_CellEvents` reads and tells of its pool."""
+    """What `CellEvents` reads and tells of its pool."""
 
     def __init__(self):
         self._events = queue.Queue()
@@ -44,7 +44,7 @@ def _marks(rank, epoch):
 
 def test_a_ranks_end_of_the_cell_comes_after_its_last_lines():
     pool = _Pool()
-    events = _CellEvents(pool, epoch=3, ranks=[0])
+    events = CellEvents(pool, epoch=3, ranks=[0])
     pool._events.put(CellEndedOn(0, CellEnded(3, Finished(b"x"), True)))
     pool._events.put(RankOutput(0, "stdout", "last line"))
     assert [type(e) for e in _drain(events)] == [RankOutput]  # the end waits for the marks
@@ -56,14 +56,14 @@ def test_a_ranks_end_of_the_cell_comes_after_its_last_lines():
 
 def test_a_line_the_mark_ended_without_a_newline_is_still_shown():
     pool = _Pool()
-    events = _CellEvents(pool, epoch=1, ranks=[0])
+    events = CellEvents(pool, epoch=1, ranks=[0])
     pool._events.put(RankOutput(0, "stdout", f"progress 99%{CELL_END_MARK}1"))
     assert _drain(events) == [RankOutput(0, "stdout", "progress 99%")]
 
 
 def test_what_a_rank_says_about_another_cell_is_taken_in_and_dropped():
     pool = _Pool()
-    events = _CellEvents(pool, epoch=5, ranks=[0, 1])
+    events = CellEvents(pool, epoch=5, ranks=[0, 1])
     pool._events.put(CellEndedOn(1, CellEnded(4, Finished(None), False)))
     for mark in _marks(1, 4):
         pool._events.put(mark)
@@ -72,16 +72,16 @@ def test_what_a_rank_says_about_another_cell_is_taken_in_and_dropped():
 
 
 def test_a_cell_end_whose_marks_never_come_is_released_after_a_while(monkeypatch):
-    monkeypatch.setattr(pool_module, "OUTPUT_MARKS_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(pool_server, "OUTPUT_MARKS_TIMEOUT_S", 0.05)
     pool = _Pool()
-    events = _CellEvents(pool, epoch=2, ranks=[0])
+    events = CellEvents(pool, epoch=2, ranks=[0])
     pool._events.put(CellEndedOn(0, CellEnded(2, Finished(None), True)))
     assert events.get(timeout=5) == RankFinished(0, None)
 
 
 def test_a_stopped_rank_says_in_one_line_how_its_code_ended():
     pool = _Pool()
-    events = _CellEvents(pool, epoch=1, ranks=[1])
+    events = CellEvents(pool, epoch=1, ranks=[1])
     traceback = ("Traceback (most recent call last):\n  ...\n"
                  "CollectiveAbortedError: the cell was stopped: rank 0 failed\n")
     stopped = Failed(FailureKind.RAISED, traceback, "stopped: rank 0 failed", ABORTED_EXIT_CODE, 7)
@@ -97,7 +97,7 @@ def test_a_stopped_rank_says_in_one_line_how_its_code_ended():
 @pytest.mark.parametrize("exit_first", [False, True])
 def test_a_lost_ranks_failure_follows_its_exit_status(exit_first):
     pool = _Pool()
-    events = _CellEvents(pool, epoch=1, ranks=[0, 1])
+    events = CellEvents(pool, epoch=1, ranks=[0, 1])
     lost = RankFailed(1, "b", FailureKind.VANISHED, "", "connection lost")
     exited = ProcessExited(1, -9)
     for event in ([exited, lost] if exit_first else [lost, exited]):

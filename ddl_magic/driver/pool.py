@@ -35,7 +35,6 @@ import atexit
 import collections
 import enum
 import itertools
-import json
 import os
 import queue
 import tempfile
@@ -48,32 +47,27 @@ from typing import Any
 import cloudpickle
 
 from .attribution import describe_exit
-from .control import ControlServer
 from .display import DisplayFactory, text_display
+from .events import ProcessExited, RankFailed, RankOutput, RankStarted
 from .job import remember_run
-from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
-                     RankStarted)
+from .pool_server import LOST, CellEndedOn, CellEvents, PoolServer
+from .records import RankStatus, new_records
+from .run_folders import prune_run_folders
 from .run_result import RankFailedError, RunResult, RunTimeoutError
 from .run_status import RunStatus
 from .watcher import REGISTER_TIMEOUT_S, RunWatcher
-from .records import RankStatus, new_records
-from .run_folders import prune_run_folders
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
-from ..wire.channel import ABORTED_EXIT_CODE, PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
-from ..wire.messages import (CELL_END_MARK, CancelCell, RunSettings, CellEnded, Failed, Finished,
-                             FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
+from ..timeline.chrome import join_traces
+from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, Pull,
+                             RunCell, RunSettings)
 
 # After a cell was stopped, how long its ranks may take to end it. One that has not by then
 # is stuck where no interrupt reaches (native code): the pool is broken, and stopped.
 STOP_GRACE_S = 10.0
-# How long a cell's end waits for the marks that close each rank's output.
-OUTPUT_MARKS_TIMEOUT_S = 2.0
-# How long a lost rank's failure waits for its process's exit status and last words.
-LAST_WORDS_TIMEOUT_S = 3.0
 FORM_RING_TIMEOUT_S = 120.0
 PULL_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 2.0
-_LOST = (FailureKind.VANISHED, FailureKind.UNREACHABLE, FailureKind.DIED)
 
 
 class PoolState(str, enum.Enum):
@@ -105,14 +99,6 @@ class RankInfo:
     state: str  # "idle", "running" or "gone"
     rss_bytes: int | None = None
     uptime_s: float | None = None
-
-
-@dataclass(frozen=True)
-class CellEndedOn:
-    """A pool rank said a cell ended (`CellEnded`)."""
-
-    rank: int
-    message: CellEnded
 
 
 _active: "Pool | None" = None
@@ -152,7 +138,7 @@ class Pool:
         self._epochs = itertools.count(1)
         self._ring_ok = True
         self._events: queue.Queue = queue.Queue()
-        self._server: _PoolServer | None = None
+        self._server: PoolServer | None = None
         self._running_ranks: set[int] = set()
         self._gone: dict[int, str] = {}  # rank -> how it was lost
         self._launcher_stopped = False
@@ -203,7 +189,7 @@ class Pool:
         self._gone = {}
         self._ring_ok = True
         self.state = PoolState.STARTING
-        self._server = _PoolServer(secret, self.np, b"", settings, self._events,
+        self._server = PoolServer(secret, self.np, b"", settings, self._events,
                                    self.launcher.bind_host, self.launcher.advertised_host)
         self.launcher.start(self.np, self._server.address, secret, self._events)
         self._await_ring(0, REGISTER_TIMEOUT_S + FORM_RING_TIMEOUT_S, starting=True)
@@ -292,7 +278,7 @@ class Pool:
             else:
                 record.ranks[rank].end(RankStatus.DONE, "not in --ranks")
                 watcher.leave_out(rank)
-        events = _CellEvents(self, epoch, selected)
+        events = CellEvents(self, epoch, selected)
         self._server.begin_cell(epoch, selected)
         self.state = PoolState.RUNNING
         self._running_ranks = set(selected)
@@ -328,7 +314,7 @@ class Pool:
             record.result = record.results[0]
         return record
 
-    def _finish_cell(self, events: "_CellEvents", watcher: RunWatcher, selected: list[int]) -> None:
+    def _finish_cell(self, events: "CellEvents", watcher: RunWatcher, selected: list[int]) -> None:
         """Wait until every rank of the cell ended it (or was lost), at most `STOP_GRACE_S`."""
         watcher.drain(events)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -414,7 +400,7 @@ class Pool:
             match event:
                 case ProcessExited(rank, returncode):
                     self.note_lost(rank, describe_exit(returncode), exited=True)
-                case RankFailed(rank, _, kind, _, reason) if kind in _LOST:
+                case RankFailed(rank, _, kind, _, reason) if kind in LOST:
                     self.note_lost(rank, reason)
                 case RankOutput(rank, _, text) if CELL_END_MARK not in text:
                     self._log(rank, text)
@@ -509,193 +495,9 @@ class Pool:
         if not self.timeline_path:
             raise PoolError("this pool records no timeline: start it with "
                             "%horovod start -np N --timeline (or ddl_magic.start(timeline=''))")
-        events, metadata = [], set()
-        for cell in range(1, self.cells + 1):
-            path = f"{self.timeline_path}-cell-{cell}.json"
-            if not os.path.exists(path):
-                continue  # a cell that recorded nothing
-            with open(path, encoding="utf-8") as trace:
-                loaded = json.load(trace)
-            for event in loaded if isinstance(loaded, list) else loaded.get("traceEvents", []):
-                if event.get("ph") == "M":  # a rank's name: once
-                    key = json.dumps(event, sort_keys=True)
-                    if key in metadata:
-                        continue
-                    metadata.add(key)
-                events.append(event)
-        path = f"{self.timeline_path}-session.json"
-        with open(path, "w", encoding="utf-8") as trace:
-            json.dump(events, trace)
-        return path
+        cells = [f"{self.timeline_path}-cell-{cell}.json" for cell in range(1, self.cells + 1)]
+        return join_traces([path for path in cells if os.path.exists(path)],  # some recorded nothing
+                           f"{self.timeline_path}-session.json")
 
     def __repr__(self) -> str:
         return f"<ddl_magic pool: {self.np} ranks, {self.state.value}, {self.cells} cells>"
-
-
-class _PoolServer(ControlServer):
-    """The control server of a pool: what ranks say about cells, pulls and probes, and
-    `abort` stops the running cell instead of the ranks."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._cell: tuple[int, list[int]] | None = None
-        self._ids = itertools.count()
-        self._answers: dict[int, queue.Queue] = {}
-
-    def begin_cell(self, epoch: int, ranks: list[int]) -> None:
-        self._cell = (epoch, ranks)
-
-    def end_cell(self) -> None:
-        self._cell = None
-
-    def abort(self, reason: str) -> None:
-        """Stop the running cell on its ranks, once (the ranks stay)."""
-        cell, self._cell = self._cell, None
-        if cell is not None:
-            epoch, ranks = cell
-            for rank in ranks:
-                self.send(rank, CancelCell(epoch, reason))
-
-    def stop_ranks(self, reason: str) -> None:
-        """Every rank exits now."""
-        self._cell = None
-        super().abort(reason)
-
-    def ask(self, ranks: list[int], request, timeout_s: float) -> dict:
-        """Send `request(id)` to each rank and wait for their answers (what came in time)."""
-        answers: queue.Queue = queue.Queue()
-        ids = {}
-        for rank in ranks:
-            request_id = next(self._ids)
-            self._answers[request_id] = answers
-            ids[request_id] = rank
-            self.send(rank, request(request_id))
-        replies = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(replies) < len(ranks):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    reply = answers.get(timeout=left)
-                except queue.Empty:
-                    break
-                replies[ids[reply.id]] = reply
-        finally:
-            for request_id in ids:
-                self._answers.pop(request_id, None)
-        return replies
-
-    def _relay_other(self, rank: int, message: object) -> bool:
-        match message:
-            case CellEnded():
-                self.events.put(CellEndedOn(rank, message))
-            case Pulled(request_id) | ProbeReply(request_id):
-                answers = self._answers.get(request_id)
-                if answers is not None:
-                    answers.put(message)
-            case _:
-                return False
-        return True
-
-    def _connection_ended(self, rank: int, timed_out: bool) -> None:
-        self._finished.discard(rank)  # a pool's rank never finishes: its end is a loss
-        super()._connection_ended(rank, timed_out)
-
-
-class _CellEvents:
-    """The pool's event queue as one cell's watcher sees it (`get`, `get_nowait`).
-
-    A rank's `CellEnded` for this cell becomes `RankFinished` or `RankFailed` once the marks
-    that close its output on both streams came (or `OUTPUT_MARKS_TIMEOUT_S` passed), so the
-    cell's last lines are its own; a `CellEnded` for another cell is taken in and dropped. A
-    lost rank's failure waits for its process's exit status (its last words come first).
-    """
-
-    def __init__(self, pool: Pool, epoch: int, ranks: list[int]):
-        self._pool = pool
-        self._source = pool._events
-        self.epoch = epoch
-        self.ended: dict[int, CellEnded] = {}
-        self._marks: dict[int, set[str]] = {rank: set() for rank in ranks}
-        self._held: dict[int, tuple[object, float]] = {}  # rank -> (event, release by)
-        self._ready: collections.deque = collections.deque()
-        self._exited: set[int] = set()
-
-    def get_nowait(self):
-        return self.get(timeout=0)
-
-    def get(self, timeout: float | None = None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._release_due()
-            if self._ready:
-                return self._ready.popleft()
-            now = time.monotonic()
-            waits = [release_by - now for _, release_by in self._held.values()]
-            if deadline is not None:
-                waits.append(deadline - now)
-            wait = max(0.0, min(waits)) if waits else None
-            try:
-                self._take(self._source.get(timeout=wait) if wait != 0 else self._source.get_nowait())
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline and not self._due():
-                    raise
-
-    def _due(self) -> bool:
-        now = time.monotonic()
-        return any(release_by <= now for _, release_by in self._held.values())
-
-    def _release_due(self) -> None:
-        now = time.monotonic()
-        for rank, (event, release_by) in list(self._held.items()):
-            if release_by <= now or (isinstance(event, CellEnded) and len(self._marks[rank]) == 2):
-                del self._held[rank]
-                self._release(rank, event)
-
-    def _release(self, rank: int, event) -> None:
-        if not isinstance(event, CellEnded):
-            self._ready.append(event)
-            return
-        self.ended[rank] = event
-        match event.outcome:
-            case Finished(result):
-                self._ready.append(RankFinished(rank, result))
-            case Failed(kind, text, reason, exit_code, at_ns, lost_rank):
-                if exit_code == ABORTED_EXIT_CODE and text.strip():
-                    # stopped: the one line saying how its code ended (the error that ended
-                    # its collective names the failing rank)
-                    last = text.strip().splitlines()[-1]
-                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {last}"))
-                self._ready.append(RankFailed(rank, self._pool.hosts[rank], kind, text, reason,
-                                              exit_code, at_ns, lost_rank))
-
-    def _take(self, event) -> None:
-        match event:
-            case RankOutput(rank, stream, text, replace) if CELL_END_MARK in text:
-                before, _, epoch = text.partition(CELL_END_MARK)
-                if before:
-                    self._ready.append(RankOutput(rank, stream, before, replace))
-                if epoch == str(self.epoch) and rank in self._marks:
-                    self._marks[rank].add(stream)
-            case CellEndedOn(rank, message):
-                self._pool.note_cell_ended(rank, message)
-                if message.epoch == self.epoch and rank in self._marks and rank not in self.ended:
-                    self._held[rank] = (message, time.monotonic() + OUTPUT_MARKS_TIMEOUT_S)
-            case RankFailed(rank, _, kind, _, reason) if kind in _LOST:
-                self._pool.note_lost(rank, reason)
-                if rank in self._exited:  # its process's exit came first
-                    self._ready.append(event)
-                else:
-                    self._held[rank] = (event, time.monotonic() + LAST_WORDS_TIMEOUT_S)
-            case ProcessExited(rank, returncode):
-                self._pool.note_lost(rank, describe_exit(returncode), exited=True)
-                self._ready.append(event)
-                self._exited.add(rank)
-                held = self._held.pop(rank, None)
-                if held is not None:
-                    self._release(rank, held[0])
-            case _:
-                self._ready.append(event)
-

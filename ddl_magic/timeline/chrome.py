@@ -167,6 +167,25 @@ class TraceWriter:
         self._has_events = True
 
 
+def join_traces(paths: list[str], path: str) -> str:
+    """Write one Chrome trace at `path` of every event of the traces at `paths` (a pool's
+    cells, recorded on one clock, the driver's), each rank's name once; returns `path`."""
+    events, names = [], set()
+    for part in paths:
+        with open(part, encoding="utf-8") as trace:
+            loaded = json.load(trace)
+        for event in loaded if isinstance(loaded, list) else loaded.get("traceEvents", []):
+            if event.get("ph") == "M":  # a rank's name, in every cell's trace
+                key = json.dumps(event, sort_keys=True)
+                if key in names:
+                    continue
+                names.add(key)
+            events.append(event)
+    with open(path, "w", encoding="utf-8") as trace:
+        json.dump(events, trace)
+    return path
+
+
 def _metadata(kind: str, pid: int, tid: int, args: dict[str, Any]) -> bytes:
     return _encode({"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args})
 
