@@ -137,10 +137,27 @@ run = ddl_magic.last_run()
         assert f"rank {rank}: " in log and " of its test digits right" in log
 
 
+# Lab 3's ring by hand on a pool of 3: every rank's buffer, pulled after each step. Rank r
+# starts with [1..6] * 10^r, so a number's digits say whose gradients it holds.
+RING_BY_HAND = {
+    "start": [[1, 2, 3, 4, 5, 6], [10, 20, 30, 40, 50, 60], [100, 200, 300, 400, 500, 600]],
+    "scatter-reduce step 0": [[1, 2, 3, 4, 505, 606], [11, 22, 30, 40, 50, 60],
+                              [100, 200, 330, 440, 500, 600]],
+    # the lecture: after N - 1 steps rank r holds the complete sum of chunk r + 1, and only it
+    "scatter-reduce step 1": [[1, 2, 333, 444, 505, 606], [11, 22, 30, 40, 555, 666],
+                              [111, 222, 330, 440, 500, 600]],
+    "allgather step 0": [[111, 222, 333, 444, 505, 606], [11, 22, 333, 444, 555, 666],
+                         [111, 222, 330, 440, 555, 666]],
+    "allgather step 1": [[111, 222, 333, 444, 555, 666]] * 3,
+}
+
+
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
-def test_03_ring_replayed_matches_the_lecture_and_byte_count_and_sharding_divides_adam_state():
-    _, report = run_notebook("03_ring_watched.ipynb", """
-{"sums": [sum_2, sum_3, sum_4],
+def test_03_ring_replayed_and_stepped_by_hand_matches_the_lecture_and_sharding_divides_adam_state():
+    notebook, report = run_notebook("03_ring_watched.ipynb", """
+import ddl_magic
+{"by_hand": by_hand, "agree": agree, "pool_stopped": ddl_magic.active_pool() is None,
+ "sums": [sum_2, sum_3, sum_4],
  "lecture": {n: bool(t["as the lecture says"].all()) for n, t in steps.items()},
  "steps": {n: len(t) for n, t in steps.items()},
  "complete": {n: all(len(h) == n for row in replay(t, n)[-1][2] for h in row) for n, t in steps.items()},
@@ -160,6 +177,15 @@ def test_03_ring_replayed_matches_the_lecture_and_byte_count_and_sharding_divide
         assert report["same"][n]
         assert report["frames"][n] == 2 * (size - 1) + 1
     assert report["sent"]["4"] == pytest.approx(7.2)  # 2 * 3/4 * 4.8 MB
+    # The ring by hand: one cell per step on a pool, the buffers kept on the ranks in between.
+    assert report["by_hand"] == RING_BY_HAND
+    assert report["agree"] == [True, True, True]  # every rank's buffer is hvd.allreduce's sum
+    assert report["pool_stopped"]
+    assert ("every rank's buffer equals hvd.allreduce: [True, True, True]; "
+            "each is the sum of the three gradients: True") in printed_text(notebook)
+    step_cells = [cell.source for cell in notebook.cells if cell.cell_type == "code"
+                  and re.fullmatch(r"%%horovod --quiet\n(scatter_reduce|allgather)\(step=\d\)", cell.source)]
+    assert len(step_cells) == 4  # 2(N - 1) cells, each one step
     whole, share_2, share_4 = report["adam_mb"]
     parameters = 1024 * 1024 * 2 + 1024 * 512 + 1024 * 2 + 512
     assert whole == pytest.approx(8 * parameters / 1e6)  # two float32 moments per parameter
