@@ -13,11 +13,13 @@ number is what the user waits for in the notebook, the kernel's own messaging in
 3. `%horovod start -np 2` with the factory warm (stopped and started again each time);
    a training step (small MLP, DistributedOptimizer) timed on rank 0, in a pool cell and in
    a one-shot cell; with `--spark`, the trivial cell on a pool of Spark barrier tasks;
-4. the ranks' CPU while the pool is idle, as % of one core per rank (from /proc);
-5. the ranks' file descriptors, threads and resident memory before and after the cells.
+4. the stop button on a pool cell where rank 0 sleeps in Python and rank 1 waits in an
+   allreduce: from the kernel's interrupt to the cell's end on every rank (the ranks stay);
+5. the ranks' CPU while the pool is idle, as % of one core per rank (from /proc);
+6. the ranks' file descriptors, threads and resident memory before and after the cells.
 
-Targets (issue 28): pool cell median <= 8 ms and p90 <= 15 ms; start <= 1 s; idle <= 1 % of a
-core per rank; descriptors, threads and memory flat. Prints a table, writes
+Targets (issue 28): pool cell median <= 8 ms and p90 <= 15 ms; start <= 1 s; an interrupt
+ends every rank's cell within 2 s; idle <= 1 % of a core per rank; descriptors, threads and memory flat. Prints a table, writes
 ``benchmarks/results/pool.json``.
 """
 
@@ -38,7 +40,10 @@ NP = 2
 TRIVIAL = ("hvd.rank(), hvd.size(), "
            "hvd.allreduce(torch.ones(1), op=hvd.Sum, name='trivial').item()")
 SETUP = "import torch\nimport ddl_magic.torch as hvd\nhvd.init()\n"
-TARGETS = {"pool_median_ms": 8.0, "pool_p90_ms": 15.0, "start_s": 1.0, "idle_core_percent": 1.0}
+TARGETS = {"pool_median_ms": 8.0, "pool_p90_ms": 15.0, "start_s": 1.0, "interrupt_s": 2.0,
+           "idle_core_percent": 1.0}
+STUCK = ("%%horovod\nimport time\nprint('going', flush=True)\n"
+         "if hvd.rank() == 0:\n    time.sleep(600)\nelse:\n    hvd.allreduce(torch.ones(1))")
 
 
 class _Kernel:
@@ -71,6 +76,25 @@ class _Kernel:
     def close(self) -> None:
         self.client.stop_channels()
         self.manager.shutdown_kernel(now=True)
+
+
+def _interrupt_s(kernel: _Kernel, timeout: float = 60) -> float:
+    """The stop button on a cell whose ranks are both busy (one sleeping, one in a collective):
+    seconds from the kernel's interrupt to the kernel idle again, the cell ended everywhere."""
+    msg_id = kernel.client.execute(STUCK)
+    deadline = time.monotonic() + timeout
+    printed = ""
+    while printed.count("going") < NP:  # every rank is inside the cell
+        message = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "stream":
+            printed += message["content"]["text"]
+    began = time.perf_counter()
+    kernel.manager.interrupt_kernel()
+    while True:
+        message = kernel.client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if (message["parent_header"].get("msg_id") == msg_id and message["msg_type"] == "status"
+                and message["content"]["execution_state"] == "idle"):
+            return time.perf_counter() - began
 
 
 def _checked(kernel: _Kernel, code: str) -> tuple[float, str]:
@@ -277,6 +301,14 @@ def main() -> None:
         step_pool = [_train_step_ms(kernel, "%%horovod") for _ in range(5)]
         _checked(kernel, "%horovod stop")
         step_one_shot = [_train_step_ms(kernel, f"%%horovod -np {NP}") for _ in range(5)]
+        # the stop button, on a fresh pool (its ranks stay; the next cell must work)
+        _, text = _checked(kernel, f"%horovod start -np {NP}")
+        _checked(kernel, f"%%horovod --quiet\n{SETUP}")
+        interrupts = []
+        for _ in range(5):
+            interrupts.append(_interrupt_s(kernel))
+            _checked(kernel, pool_cell)
+        _checked(kernel, "%horovod stop")
         # one pool for the footprint: all its cells, then idle
         _, text = _checked(kernel, f"%horovod start -np {NP}")
         pids = _pids(text)
@@ -318,6 +350,8 @@ def main() -> None:
            "(peer)"] for name, stats in peers.items() if stats is not None],
         *([["trivial cell, pool on Spark local[4]", f"{spark['median_ms']:.1f} ms",
              f"{spark['p90_ms']:.1f} ms", "<= 50 ms"]] if spark else []),
+        ["interrupt -> every rank's cell ended", f"{statistics.median(interrupts):.2f} s",
+         f"{max(interrupts):.2f} s", f"<= {TARGETS['interrupt_s']:g} s"],
         ["training step, pool cell / one-shot", f"{statistics.median(step_pool):.2f} ms",
          f"{statistics.median(step_one_shot):.2f} ms", "equal within noise"],
         [f"idle pool, {elapsed:.0f} s, per rank", f"{max(idle):.2f} % core", "",
@@ -334,11 +368,12 @@ def main() -> None:
         "pool_cell_run_view": run_view_stats, "empty_cell": floor_stats,
         "load_average_at_start": load, "peers": peers, "spark_pool_cell": spark,
         "train_step_ms": {"pool": step_pool, "one_shot": step_one_shot},
-        "start_s": starts, "idle_seconds": elapsed, "idle_core_percent_per_rank": idle,
+        "start_s": starts, "interrupt_s": interrupts, "idle_seconds": elapsed, "idle_core_percent_per_rank": idle,
         "footprint_before": before, "footprint_after": after, "targets": TARGETS,
         "met": {"pool_median": pool_stats["median_ms"] <= TARGETS["pool_median_ms"],
                 "pool_p90": pool_stats["p90_ms"] <= TARGETS["pool_p90_ms"],
                 "start": start_median <= TARGETS["start_s"],
+                "interrupt": max(interrupts) <= TARGETS["interrupt_s"],
                 "idle": max(idle) <= TARGETS["idle_core_percent"]}})
     print(f"\nwritten to {path}")
 
