@@ -41,6 +41,13 @@ class HorovodMagics(Magics):
     @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
     @argument("-np", "--num-proc", dest="np", type=int,
               help="number of ranks to run the cell on (not needed while a pool runs)")
+    @argument("--min-np", dest="min_np", type=int, metavar="N",
+              help="elastic: a lost rank resets the world instead of failing the cell; the "
+                   "run goes on from the last state.commit() while N ranks are left (lost "
+                   "local ranks are replaced). Needs hvd.elastic.run; see 'Elastic runs' in "
+                   "the README")
+    @argument("--max-np", dest="max_np", type=int, metavar="N",
+              help="elastic: at most N ranks (local runs: -np at most)")
     @argument("--ranks", metavar="R,R",
               help="in a pool: run the cell on these ranks only (inspection, printing, "
                    "saving); collectives are refused in such a cell")
@@ -150,7 +157,8 @@ class HorovodMagics(Magics):
         launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
-                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow)
+                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
+                             min_np=args.min_np, max_np=args.max_np)
         try:
             run = Job(captured.payload, args.np, launcher, options).run()
         except KeyboardInterrupt:

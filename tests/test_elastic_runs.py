@@ -1,0 +1,172 @@
+"""Elastic runs on local ranks: a rank that dies or raises resets the world, a replacement
+forked from the rank factory takes its place, and training goes on from the last commit;
+below min_np and past the reset limit the run fails, saying why. A run without min_np/max_np
+still fails fast."""
+
+import os
+import time
+
+import pytest
+
+from ddl_magic import HorovodRunner
+from ddl_magic.driver.elastic import ElasticRunError
+from ddl_magic.driver.run_result import RankFailedError
+
+STEPS = 12
+
+
+def train_with_faults(log_dir, faults, steps=STEPS):
+    """SGD on data that depends on the step only, so every world computes the same step; a
+    commit after every step. `faults`: (kind, rank, step, once) — at that step the rank of
+    that number SIGKILLs itself ("kill") or raises ("raise"), once (a marker file), or at that
+    step and every later one. Returns the weights, the steps done, the world's size and this rank's step times."""
+    import signal
+
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                         named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model, optimizer, step=0)
+
+    def fault_now(step):
+        for number, (kind, rank, at_step, once) in enumerate(faults):
+            marker = os.path.join(log_dir, f"fault-{number}")
+            due = step == at_step if once else step >= at_step
+            if hvd.rank() == rank and due and not (once and os.path.exists(marker)):
+                with open(marker, "w") as f:
+                    f.write(repr(time.time()))
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"rank {rank} fails at step {step}")
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            data = torch.Generator().manual_seed(state.step)
+            x = torch.randn(8, 4, generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            optimizer.step()
+            fault_now(state.step)
+            state.step += 1
+            state.commit()
+            with open(os.path.join(log_dir, "steps"), "a") as f:
+                f.write(f"{time.time()} {state.step}\n")
+            time.sleep(0.05)
+        return {name: value.clone() for name, value in model.state_dict().items()}, state.step
+
+    weights, done = train(state)
+    return weights, done, hvd.size()
+
+
+def expected_weights(steps=STEPS):
+    """What the commits imply: every step applied once, as one process would."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def assert_trained_as_committed(result):
+    import torch
+
+    weights, done, _ = result
+    assert done == STEPS
+    for name, value in expected_weights().items():
+        assert torch.allclose(weights[name], value, atol=1e-6), name
+
+
+def kill_to_next_step_s(log_dir) -> float:
+    """From the fault to the next step completed by any rank."""
+    with open(os.path.join(log_dir, "fault-0")) as f:
+        fault_at = float(f.read())
+    with open(os.path.join(log_dir, "steps")) as f:
+        times = [float(line.split()[0]) for line in f]
+    return min(t for t in times if t > fault_at) - fault_at
+
+
+def elastic_run(np, faults, log_dir, **bounds):
+    runner = HorovodRunner(np=-np, timeout=120, driver_log_verbosity="log_callback_only",
+                           **bounds)
+    return runner, runner.run(train_with_faults, log_dir=str(log_dir), faults=faults)
+
+
+@pytest.mark.parametrize("np, killed", [(4, 2), (3, 0)], ids=["np4-rank2", "np3-rank0"])
+def test_a_killed_rank_is_replaced_and_training_goes_on_from_the_last_commit(tmp_path, np,
+                                                                               killed):
+    runner, result = elastic_run(np, [("kill", killed, 5, True)], tmp_path, min_np=2)
+    assert_trained_as_committed(result)
+    assert result[2] == np  # the replacement brought the world back to np ranks
+    (reset,) = runner.last_run.resets
+    assert reset.left == (killed,) and "SIGKILL" in reset.reasons[0]
+    assert reset.joined == (np - 1,) and reset.size == np
+    # The rank died after step 5's allreduce: the survivors committed step 5 and lost it in
+    # step 6's, so the run resumed from their sixth commit.
+    assert reset.resumed_from_commit == 6
+    assert [r.status for r in runner.last_run.ranks] == ["done"] * np
+    print(f"\nnp={np}, rank {killed} SIGKILLed: {kill_to_next_step_s(tmp_path):.2f} s from the "
+          "kill to the next completed step (replacement included)")
+
+
+def test_a_rank_that_raises_once_is_replaced(tmp_path):
+    runner, result = elastic_run(3, [("raise", 1, 4, True)], tmp_path, min_np=2, max_np=3)
+    assert_trained_as_committed(result)
+    (reset,) = runner.last_run.resets
+    assert reset.left == (1,) and reset.joined == (2,) and reset.resumed_from_commit == 5
+    assert reset.reasons == ("RuntimeError: rank 1 fails at step 4",)
+    # the new world's ranks 0 and 1 are the survivors 0 and 2, in their order
+    assert reset.slots == (0, 2, 1)
+
+
+def test_below_min_np_the_run_waits_a_bounded_time_then_says_how_many_it_had_and_needed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_ELASTIC_BLACKLIST_AFTER", "1")  # no replacement after a loss
+    monkeypatch.setenv("DDL_MAGIC_ELASTIC_TIMEOUT", "2")
+    started = time.monotonic()
+    with pytest.raises(ElasticRunError, match=r"has 1 rank left and needs at least 2 \(min_np\)"
+                                              r"; none came back within 2 s"):
+        elastic_run(3, [("kill", 2, 3, True), ("kill", 1, 6, True)], tmp_path, min_np=2)
+    assert time.monotonic() - started < 60
+    from ddl_magic import last_run
+
+    run = last_run()
+    assert run.status == "failed" and len(run.resets) == 1 and run.resets[0].size == 2
+
+
+def test_a_rank_that_keeps_failing_ends_the_run_at_the_reset_limit(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_ELASTIC_RESET_LIMIT", "2")
+    with pytest.raises(ElasticRunError, match="reset 2 times, its limit"):
+        elastic_run(3, [("raise", 1, 2, False)], tmp_path, min_np=2)
+    from ddl_magic import last_run
+
+    resets = last_run().resets
+    assert len(resets) == 2 and all(reset.left == (1,) for reset in resets)
+    assert last_run().status == "failed" and "reset 2 times" in last_run().error
+
+
+def test_a_run_without_min_np_still_fails_fast_on_a_killed_rank(tmp_path):
+    runner = HorovodRunner(np=-3, timeout=60, driver_log_verbosity="log_callback_only")
+    with pytest.raises(RankFailedError, match="rank 1 .*killed by SIGKILL"):
+        runner.run(train_with_faults, log_dir=str(tmp_path), faults=[("kill", 1, 2, True)])
+    from ddl_magic import last_run
+
+    assert last_run().resets is None and last_run().status == "failed"
+
+
+def test_bounds_are_checked_before_anything_starts():
+    with pytest.raises(ValueError, match="min_np <= np <= max_np"):
+        HorovodRunner(np=-2, min_np=3).run(train_with_faults, log_dir="", faults=[])
+    with pytest.raises(ValueError, match="keeps at most its 2 ranks"):
+        HorovodRunner(np=-2, max_np=4).run(train_with_faults, log_dir="", faults=[])
