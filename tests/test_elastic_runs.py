@@ -170,3 +170,64 @@ def test_bounds_are_checked_before_anything_starts():
         HorovodRunner(np=-2, min_np=3).run(train_with_faults, log_dir="", faults=[])
     with pytest.raises(ValueError, match="keeps at most its 2 ranks"):
         HorovodRunner(np=-2, max_np=4).run(train_with_faults, log_dir="", faults=[])
+
+
+ELASTIC_SCRIPT = """
+import os, signal, sys, torch
+import ddl_magic.torch as hvd
+
+hvd.init()
+model = torch.nn.Linear(2, 1)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 8:
+        optimizer.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        optimizer.step()
+        if state.step == 3 and hvd.rank() == 1 and not os.path.exists("killed"):
+            open("killed", "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        state.step += 1
+        state.commit()
+    print(f"rank {hvd.rank()} of {hvd.size()} done at step {state.step}")
+
+train(hvd.elastic.TorchState(model, optimizer, step=0))
+"""
+
+
+def test_ddlrun_with_min_np_survives_a_killed_rank(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(ELASTIC_SCRIPT)
+    finished = subprocess.run([sys.executable, "-m", "ddl_magic.frontends.ddlrun", "-np", "3",
+                               "--min-np", "2", "python", str(script)], capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert ("elastic reset 1: rank 1 left (killed by SIGKILL); rank 2 joined (replacement)"
+            in finished.stderr)
+    assert finished.stdout.count("of 3 done at step 8") == 3
+
+
+def test_both_displays_show_a_reset_as_a_line():
+    import io
+
+    from ddl_magic.driver.events import WorldReset
+    from ddl_magic.driver.text_display import TextDisplay
+    from ddl_magic.ui import RunView
+
+    reset = WorldReset(1, (2,), ("killed by SIGKILL",), (3,), 4, 6, (0, 1, 3, 2), time.time())
+    line = ("reset 1: rank 2 left (killed by SIGKILL); rank 3 joined (replacement); now 4 "
+            "ranks, resumed from commit 6")
+    assert reset.describe() == line
+    printed = io.StringIO()
+    TextDisplay(4, stream=printed, error_stream=printed).handle(reset)
+    assert printed.getvalue() == f"==== elastic {line} ====\n"
+    view = RunView(4, "%%horovod -np 4 --min-np 2", log_dir="/tmp/ddl_magic/run-7")
+    view.handle(reset)
+    view.refresh()
+    assert view.state()["all_ranks"]["lines"] == [f"[elastic] {line}"]
