@@ -120,6 +120,14 @@ def test_a_killed_rank_is_replaced_and_training_goes_on_from_the_last_commit(tmp
           "kill to the next completed step (replacement included)")
 
 
+def test_two_ranks_lost_at_once_are_both_replaced_in_one_reset(tmp_path):
+    runner, result = elastic_run(4, [("kill", 1, 4, True), ("kill", 2, 4, True)], tmp_path,
+                                 min_np=2)
+    assert_trained_as_committed(result)
+    (reset,) = runner.last_run.resets
+    assert reset.left == (1, 2) and reset.joined == (2, 3) and reset.slots == (0, 3, 1, 2)
+
+
 def test_a_rank_that_raises_once_is_replaced(tmp_path):
     runner, result = elastic_run(3, [("raise", 1, 4, True)], tmp_path, min_np=2, max_np=3)
     assert_trained_as_committed(result)

@@ -138,6 +138,9 @@ class ElasticWatcher(RunWatcher):
         if isinstance(event, RankFinished) and event.rank not in self._world:
             self.record.ranks[event.rank].apply(event)  # retired: its part is over
             return
+        if isinstance(event, RankFinished) and self._round is not None:
+            # It returned before it saw the world end: it left the ring, and will not ask.
+            self._round.lose(event.rank, "it had returned before the reset")
         if isinstance(event, ProcessExited):
             if event.rank in self._starting and event.rank not in self._exit_pending:
                 self._starting.discard(event.rank)  # the replacement died before it registered
@@ -256,6 +259,9 @@ class ElasticWatcher(RunWatcher):
             self._round = ResetRound(self._generation, tuple(self._world), time.monotonic(),
                                      peer_timeout_s())
             self._phase = Phase.GATHERING
+            for slot in self._world:
+                if slot in self._results:
+                    self._round.lose(slot, "it had returned before the reset")
 
     # ---- helpers ---------------------------------------------------------------------------
 
