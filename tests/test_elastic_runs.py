@@ -239,3 +239,20 @@ def test_both_displays_show_a_reset_as_a_line():
     view.handle(reset)
     view.refresh()
     assert view.state()["all_ranks"]["lines"] == [f"[elastic] {line}"]
+
+
+def test_a_horovod_cell_with_min_np_survives_a_killed_rank_in_a_notebook_kernel(tmp_path):
+    from kernel import Kernel
+
+    (tmp_path / "train.py").write_text(ELASTIC_SCRIPT)
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"}, cwd=str(tmp_path))
+    try:
+        kernel.run("%load_ext ddl_magic")
+        out = kernel.run("%%horovod -np 3 --min-np 2 --quiet\n"
+                         "exec(open('train.py').read())", timeout=120)
+        assert out.error is None, out
+        assert "rank 1 left (killed by SIGKILL); rank 2 joined" in out.stdout + out.stderr
+        resets = kernel.run("import ddl_magic\n[r.left for r in ddl_magic.last_run().resets]")
+        assert resets.result == "[(1,)]"
+    finally:
+        kernel.close()
