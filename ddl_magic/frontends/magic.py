@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .options import make_display, shows_run_view
 from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
+from ..driver.elastic import elastic_bounds
 from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
@@ -127,6 +128,9 @@ class HorovodMagics(Magics):
             raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
                                     "See %%horovod? for every option.") from None
         pool = active_pool()
+        if pool is not None and (args.min_np is not None or args.max_np is not None):
+            raise HorovodUsageError("--min-np/--max-np are not built for a pool's cells yet: "
+                                    "%horovod stop the pool to run this cell elastic")
         if pool is not None:
             return self._on_pool(pool, args, line, cell)
         if args.np is None:
@@ -136,6 +140,11 @@ class HorovodMagics(Magics):
             raise HorovodUsageError("--ranks needs a pool: %horovod start -np N first")
         if args.np < 1:
             raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
+        if args.min_np is not None or args.max_np is not None:
+            try:
+                elastic_bounds(args.np, args.min_np, args.max_np)
+            except ValueError as exc:
+                raise HorovodUsageError(str(exc)) from None
         if args.spark and args.local:
             raise HorovodUsageError("choose one of --spark and --local")
         if args.out is not None and not args.out.isidentifier():
