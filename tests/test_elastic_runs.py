@@ -18,7 +18,7 @@ STEPS = 12
 def train_with_faults(log_dir, faults, steps=STEPS):
     """SGD on data that depends on the step only, so every world computes the same step; a
     commit after every step. `faults`: (kind, rank, step, once) — at that step the rank of
-    that number SIGKILLs itself ("kill") or raises ("raise"), once (a marker file), or at that
+    that number SIGKILLs itself ("kill"), stops itself ("stop") or raises ("raise"), once (a marker file), or at that
     step and every later one. Returns the weights, the steps done, the world's size and this rank's step times."""
     import signal
 
@@ -40,8 +40,9 @@ def train_with_faults(log_dir, faults, steps=STEPS):
             if hvd.rank() == rank and due and not (once and os.path.exists(marker)):
                 with open(marker, "w") as f:
                     f.write(repr(time.time()))
-                if kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind in ("kill", "stop"):
+                    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                    continue  # (SIGSTOP: until the driver kills it)
                 raise RuntimeError(f"rank {rank} fails at step {step}")
 
     @hvd.elastic.run
@@ -126,6 +127,18 @@ def test_two_ranks_lost_at_once_are_both_replaced_in_one_reset(tmp_path):
     assert_trained_as_committed(result)
     (reset,) = runner.last_run.resets
     assert reset.left == (1, 2) and reset.joined == (2, 3) and reset.slots == (0, 3, 1, 2)
+
+
+def test_a_stopped_rank_is_killed_after_the_peer_timeout_and_replaced_with_the_dead_one(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_PEER_TIMEOUT", "2")
+    runner, result = elastic_run(3, [("stop", 1, 3, True), ("kill", 2, 3, True)], tmp_path,
+                                 min_np=2)
+    assert_trained_as_committed(result)
+    (reset,) = runner.last_run.resets
+    assert reset.left == (1, 2) and reset.joined == (1, 2)
+    assert reset.reasons[0].startswith("stopped: its process has been stopped for 2 s")
+    assert reset.reasons[1] == "killed by SIGKILL"
 
 
 def test_a_rank_that_raises_once_is_replaced(tmp_path):

@@ -166,6 +166,7 @@ class ControlServer:
         may register, and its end is reported as any rank's."""
         with self._lock:
             self._registrations.pop(rank, None)
+            self._channels.pop(rank, None)  # the lost process's: its end is old news now
             self._finished.discard(rank)
 
     def registration(self, rank: int) -> tuple[str, tuple[str, int]] | None:

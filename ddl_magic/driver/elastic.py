@@ -14,8 +14,8 @@ slot holds each rank of the new world.
 
 The phases of a reset, one flat loop with a branch per phase (`Phase`), each wait bounded:
 
-    RUNNING ── a member lost, or one asks ──► GATHERING  (every member asks or is lost;
-                                                          hung after the peer timeout: killed)
+    RUNNING ── a member lost, or one asks ──► GATHERING  (every member asks or is lost; hung
+                                                          after 2 peer timeouts + 1 s: killed)
     GATHERING ── all in ──► WAITING when below min_np (at most DDL_MAGIC_ELASTIC_TIMEOUT,
                                                        then the run fails)
                        └──► STARTING  replacements forked from the rank factory, until each
@@ -49,6 +49,13 @@ if TYPE_CHECKING:
     from .control import ControlServer
 
 BLACKLIST_AFTER_VARIABLE = "DDL_MAGIC_ELASTIC_BLACKLIST_AFTER"
+
+
+def ask_timeout_s() -> float:
+    """How long a reset waits for every live rank to ask for the next world: a survivor
+    waiting on a peer that stopped (not died) hears of it after the peer timeout, so twice
+    that, and a second for its message."""
+    return 2 * peer_timeout_s() + 1.0
 
 
 class ElasticRunError(RuntimeError):
@@ -177,6 +184,10 @@ class ElasticWatcher(RunWatcher):
         if (why := over_reset_limit(len(self.record.resets), self._bounds)) is not None:
             self._fail(why)
         survivors = self._round.survivors
+        if not survivors:
+            self._fail(f"every rank of world {self._generation} was lost at once "
+                       f"({'; '.join(f'rank {rank}: {why}' for rank, why in self._round.left())})"
+                       ": the commits lived in their memory. Start the run again")
         free = [slot for slot in range(self.record.np) if slot not in survivors]
         choice = choose_next_world(survivors, free, {s: self._slot_host(s) for s in free},
                                    self._host_failures, self._bounds)
@@ -252,12 +263,15 @@ class ElasticWatcher(RunWatcher):
         if failure.kind is FailureKind.VANISHED and exit_code is None:
             self._vanished.add(slot)
         self._round.lose(slot, _why_lost(failure, exit_code))
+        if failure.kind in (FailureKind.STOPPED, FailureKind.UNREACHABLE):
+            # Its process may live on: the survivors' collectives end when it is gone.
+            self._launcher.kill(slot)
         self._host_failures[self._slot_host(slot)] += 1
 
     def _start_round(self) -> None:
         if self._round is None:
             self._round = ResetRound(self._generation, tuple(self._world), time.monotonic(),
-                                     peer_timeout_s())
+                                     ask_timeout_s())
             self._phase = Phase.GATHERING
             for slot in self._world:
                 if slot in self._results:

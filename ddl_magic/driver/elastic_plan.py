@@ -6,9 +6,10 @@ A reset, as the driver sees it, top to bottom:
 1. **Gather** (`ResetRound`). It starts when a rank of the current world is lost (its
    process ended, its connection closed, it raised) or asks for the next world (its
    collective raised `HorovodInternalError`). Every member of the world that ended then
-   either asks or is lost. One that has done neither after the ask timeout (the peer
-   timeout: a survivor's collectives end within it) is hung: the driver kills it and counts
-   it lost.
+   either asks or is lost. One that has done neither after the ask timeout (twice the peer
+   timeout: a survivor waiting on a stopped peer hears of it after one) is hung: the driver
+   kills it and counts it lost. A reset that loses every member fails the run: the commits
+   were in their memory.
 2. **Limit.** A run that was already reset `reset_limit` times fails instead.
 3. **Choose** (`choose_next_world`). The survivors keep their order, so the new rank 0 is
    the oldest survivor (the lowest rank of the oldest generation: every world lists its

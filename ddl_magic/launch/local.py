@@ -200,17 +200,18 @@ class LocalLauncher:
 
     def replace(self, rank: int) -> None:
         """Start a new process in the slot of `rank`, whose process was lost (an elastic
-        run). The old one is gone first, and its exit reported before anything of the new."""
-        self.kill(rank)
+        run). The old one is gone first (a rank that raised gets half a second to exit on
+        its own), and its exit reported before anything of the new one."""
+        if not self._exited[self._slot_pids[rank]].wait(0.5):
+            self.kill(rank)
         self._fork(rank)
 
     def kill(self, rank: int) -> None:
-        """Kill the process in the slot of `rank` (hung in an elastic run's reset), and wait
-        for its exit to be reported."""
+        """Kill the process in the slot of `rank` (stopped, unreachable or hung in an elastic
+        run), and wait up to 5 s for its exit to be reported."""
         pid = self._slot_pids[rank]
-        if not self._exited[pid].wait(0.5):
-            _signal_group(pid, signal.SIGKILL)
-            self._exited[pid].wait(5)
+        _signal_group(pid, signal.SIGKILL)
+        self._exited[pid].wait(5)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Terminate every rank's process group, kill what remains after `grace_s`."""
