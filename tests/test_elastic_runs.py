@@ -141,6 +141,20 @@ def test_a_stopped_rank_is_killed_after_the_peer_timeout_and_replaced_with_the_d
     assert reset.reasons[1] == "killed by SIGKILL"
 
 
+def test_a_reset_is_an_event_on_the_timeline_of_every_rank_of_the_new_world(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.json"
+    runner = HorovodRunner(np=-3, timeout=120, driver_log_verbosity="log_callback_only",
+                           min_np=2, timeline=str(trace))
+    runner.run(train_with_faults, log_dir=str(tmp_path), faults=[("kill", 1, 3, True)])
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    resets = [e for e in events if e.get("name", "").startswith("reset 1: rank 1 left")]
+    assert sorted(e["pid"] for e in resets) == [0, 1, 2]
+    assert all(e["ph"] == "X" and e["dur"] > 0 for e in resets)
+
+
 def test_a_rank_that_raises_once_is_replaced(tmp_path):
     runner, result = elastic_run(3, [("raise", 1, 4, True)], tmp_path, min_np=2, max_np=3)
     assert_trained_as_committed(result)

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from .control import ControlServer
 
 BLACKLIST_AFTER_VARIABLE = "DDL_MAGIC_ELASTIC_BLACKLIST_AFTER"
+# The timeline's row for resets, written by the driver (a lane the ranks never record, so
+# not in `timeline/lanes.py`'s table: its row comes after theirs).
+RESET_LANE = "elastic reset"
 
 
 def ask_timeout_s() -> float:
@@ -237,6 +240,12 @@ class ElasticWatcher(RunWatcher):
         self.record.resets.append(reset)
         self._say(reset.describe())
         self.display.handle(reset)
+        if self._trace is not None:  # the reset, from its first sign to the new world, per row
+            start_us = round_.started_at * 1e6  # the driver's monotonic clock, as the trace's
+            event = (RESET_LANE, reset.describe(), start_us, time.monotonic() * 1e6 - start_us,
+                     None)
+            for slot in members:
+                self._trace.write(slot, [event])
         self._generation, self._world = generation, members
         self._phase, self._round, self._choice = Phase.RUNNING, None, None
 
