@@ -24,11 +24,12 @@ import threading
 import time
 
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput,
-                     RankProcessState, RanksPlaced, RankStarted, TimelineBatch, TimelineStarted)
+                     RankProcessState, RanksPlaced, RankStarted, ResetAsked, TimelineBatch,
+                     TimelineStarted)
 from ..wire.liveness import ProcessState
-from ..wire.messages import (Abort, ClockProbe, ClockReading, Failed, Finished, Output, Register,
-                             RunSettings, Start, TaskAlive, TaskExited, TaskOutput, TaskStarted,
-                             TimelineEvents, TimelineStart)
+from ..wire.messages import (Abort, AskNextWorld, ClockProbe, ClockReading, Failed, Finished,
+                             Output, Register, RunSettings, Start, TaskAlive, TaskExited,
+                             TaskOutput, TaskStarted, TimelineEvents, TimelineStart)
 from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
 
 _PROCESS_STATES = {state.value for state in ProcessState}
@@ -55,6 +56,7 @@ class ControlServer:
         self._registrations: dict[int, tuple] = {}
         self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
+        self._started = False  # every rank of the launch registered and was sent its Start
         self._closed = False
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -125,7 +127,7 @@ class ControlServer:
         finally:
             channel.close()
             if rank is not None:
-                self._connection_ended(rank, timed_out)
+                self._connection_ended(rank, timed_out, channel)
 
     def _register(self, channel: Channel) -> int | None:
         channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -145,7 +147,8 @@ class ControlServer:
             self._registrations[rank] = (rank, host, tuple(ring_address))
             if rank == 0:
                 self._torch_master = tuple(torch_master)
-            everyone_here = len(self._registrations) == self.np
+            everyone_here = len(self._registrations) == self.np and not self._started
+            self._started = self._started or everyone_here
         self.events.put(RankStarted(rank, host, pid))
         if everyone_here:
             self._start_all()
@@ -157,6 +160,27 @@ class ControlServer:
             channels = dict(self._channels)
         for rank, channel in channels.items():
             channel.send(Start(peers, self._task, self._settings, self._torch_master))
+
+    def expect_again(self, rank: int) -> None:
+        """An elastic run starts a new process as `rank` (the run's slot of a lost one): it
+        may register, and its end is reported as any rank's."""
+        with self._lock:
+            self._registrations.pop(rank, None)
+            self._channels.pop(rank, None)  # the lost process's: its end is old news now
+            self._finished.discard(rank)
+
+    def registration(self, rank: int) -> tuple[str, tuple[str, int]] | None:
+        """(host, ring listener) of the process registered as `rank`, if one is."""
+        with self._lock:
+            registered = self._registrations.get(rank)
+        return None if registered is None else (registered[1], registered[2])
+
+    def start_joined(self, rank: int, peers: list[tuple[int, str, tuple[str, int]]],
+                     world_rank: int, generation: int) -> bool:
+        """Send an elastic run's replacement its Start: it joins world `generation` as its
+        rank `world_rank`. False if it is not connected."""
+        return self.send(rank, Start(peers, self._task, self._settings, self._torch_master,
+                                     world_rank, generation))
 
     def _relay(self, channel: Channel, rank: int) -> None:
         host = self._registrations[rank][1]
@@ -172,6 +196,9 @@ class ControlServer:
                 case Finished(result):
                     self._finished.add(rank)
                     self.events.put(RankFinished(rank, result))
+                case AskNextWorld(generation, world_rank, reason, error, commits):
+                    self.events.put(ResetAsked(rank, generation, world_rank, reason, error,
+                                               commits))
                 case Failed(kind, text, reason, exit_code, at_ns, lost_rank):
                     self._finished.add(rank)
                     self.events.put(RankFailed(rank, host, FailureKind(kind), text, reason,
@@ -224,9 +251,11 @@ class ControlServer:
             with self._lock:
                 self._task_channels.discard(channel)
 
-    def _connection_ended(self, rank: int, timed_out: bool) -> None:
+    def _connection_ended(self, rank: int, timed_out: bool, channel: Channel) -> None:
         with self._lock:
-            self._channels.pop(rank, None)
+            if self._channels.get(rank) is not channel:
+                return  # an elastic run's lost rank, whose slot a new process holds now
+            self._channels.pop(rank)
             closed = self._closed
         if rank not in self._finished and not closed:
             host = self._registrations[rank][1]

@@ -132,8 +132,51 @@ class HostUnanswered:
     at_ns: int  # when it was given up on, on the driver's monotonic clock
 
 
+@dataclass(frozen=True)
+class ResetAsked:
+    """A rank of an elastic run left its world (`generation`, where it was `rank`) and waits
+    for the next one; `slot` is the run's row for it (`elastic.py` says what a slot is)."""
+
+    slot: int
+    generation: int
+    rank: int
+    reason: str
+    error: str
+    commits: int
+
+
+@dataclass(frozen=True)
+class WorldReset:
+    """An elastic run re-formed its world: what the displays show and `RunResult.resets` keeps.
+
+    Ranks are numbered as in the world they belong to: `left` in the world that ended,
+    `joined` in the new one (the replacements, always its last ranks).
+    """
+
+    generation: int  # the new world's number: 1 after the first reset
+    left: tuple[int, ...]
+    reasons: tuple[str, ...]  # why each of `left` was lost
+    joined: tuple[int, ...]
+    size: int  # the new world's ranks
+    resumed_from_commit: int  # the commits of the new rank 0's state, which every rank syncs
+    slots: tuple[int, ...]  # the run's row of each rank of the new world
+    at: float  # seconds since the epoch, when the new world was sent to its ranks
+
+    def describe(self) -> str:
+        """One line: 'reset 1: rank 2 left (killed by SIGKILL); rank 3 joined; now 4 ranks,
+        resumed from commit 12'."""
+        left = "; ".join(f"rank {rank} left ({reason})" for rank, reason in
+                         zip(self.left, self.reasons)) or "no rank left"
+        joined = (f"{describe_ranks(list(self.joined))} joined (replacement"
+                  f"{'s' if len(self.joined) > 1 else ''})" if self.joined else "nobody joined")
+        return (f"reset {self.generation}: {left}; {joined}; now {self.size} "
+                f"rank{'s' if self.size != 1 else ''}, resumed from commit "
+                f"{self.resumed_from_commit}")
+
+
 Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited
-         | RankProcessState | TimelineBatch | TimelineStarted | RanksPlaced | HostUnanswered)
+         | RankProcessState | TimelineBatch | TimelineStarted | RanksPlaced | HostUnanswered
+         | ResetAsked | WorldReset)
 
 
 def describe_ranks(ranks: list[int]) -> str:

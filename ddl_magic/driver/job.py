@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import cloudpickle
 
 from .control import ControlServer
+from .elastic import ElasticWatcher, elastic_bounds
+from .elastic_plan import ElasticBounds
 from .display import DisplayFactory, text_display
 from .host_probe import HostProbes
 from .records import new_records
@@ -31,6 +33,7 @@ from .tracking import finish_tracking, start_tracking, wants_tracking
 from .watcher import RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.elastic_settings import ELASTIC_TIMEOUT_VARIABLE, RESET_LIMIT_VARIABLE
 from ..wire.messages import RunSettings
 
 _last_run: RunResult | None = None
@@ -61,6 +64,15 @@ class JobOptions:
     mlflow: bool | str | None = None
     # How the run shows itself: the front-end's choice (frontends/options.make_display)
     display: DisplayFactory = text_display
+    # Either given: the run is elastic (`elastic.py`): a lost rank resets the world, which
+    # keeps at least min_np ranks and at most max_np (each defaults to np). Neither: a lost
+    # rank ends the run, as always.
+    min_np: int | None = None
+    max_np: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_np is not None or self.max_np is not None
 
 
 class Job:
@@ -76,6 +88,7 @@ class Job:
         global _last_run
         options = self.options
         self.launcher.check(self.np)  # before anything is created: a refused run leaves no trace
+        bounds = self._elastic_bounds() if options.elastic else None
         # Checked here, not first on every rank; and passed on, since Spark executors do not
         # inherit the notebook's environment.
         transport = transport_choice(options.env.get(TRANSPORT_VARIABLE,
@@ -108,17 +121,25 @@ class Job:
             env = {**record.mlflow.rank_environment(), **env}
         if options.use_gpu:
             env["DDL_MAGIC_GPU"] = "1"
+        if bounds is not None:  # the ranks bound their resets and waits as the driver does
+            env[RESET_LIMIT_VARIABLE] = str(bounds.reset_limit)
+            env[ELASTIC_TIMEOUT_VARIABLE] = repr(bounds.wait_s)
         settings = RunSettings(run_id, env, timeline=timeline_path is not None,
-                               return_all=options.return_all)
+                               return_all=options.return_all, elastic=bounds is not None)
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
         display = options.display(record.ranks, quiet=options.hide_output, log_dir=log_dir,
                                title=options.title, timeline_path=timeline_path)
-        watcher = RunWatcher(record, display, timeline_path,
-                             HostProbes(events, timeout_s=peer_timeout_s()),
-                             exits_follow_output=getattr(self.launcher, "forwards_output", False),
-                             describe_lost=getattr(self.launcher, "describe_lost", None))
+        watcher_args = dict(exits_follow_output=getattr(self.launcher, "forwards_output", False),
+                            describe_lost=getattr(self.launcher, "describe_lost", None))
+        if bounds is None:
+            watcher = RunWatcher(record, display, timeline_path,
+                                 HostProbes(events, timeout_s=peer_timeout_s()), **watcher_args)
+        else:
+            watcher = ElasticWatcher(record, display, timeline_path,
+                                     HostProbes(events, timeout_s=peer_timeout_s()),
+                                     launcher=self.launcher, bounds=bounds, **watcher_args)
         outcome = RunStatus.FAILED
         try:
             display.display()
@@ -138,3 +159,13 @@ class Job:
             watcher.close(outcome)
             finish_tracking(record, sys.exc_info()[1])
         return record
+
+    def _elastic_bounds(self) -> ElasticBounds:
+        """The elastic run's bounds, checked before anything starts; a launcher that cannot
+        replace ranks refuses the run."""
+        if not hasattr(self.launcher, "replace"):
+            raise ValueError(f"elastic runs (min_np/max_np) on {self.launcher.where} are not "
+                             "built yet: run on local processes, or drop min_np and max_np")
+        bounds = elastic_bounds(self.np, self.options.min_np, self.options.max_np)
+        self.launcher.check_elastic(self.np, bounds.max_np)
+        return bounds

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from .attribution import LAST_WORDS_TIMEOUT_S, describe_exit
 from .control import ControlServer
 from .events import FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput
-from ..wire.channel import ABORTED_EXIT_CODE
+from ..wire.channel import ABORTED_EXIT_CODE, Channel
 from ..wire.messages import CELL_END_MARK, CancelCell, CellEnded, Failed, Finished, ProbeReply, Pulled
 
 if TYPE_CHECKING:
@@ -103,9 +103,9 @@ class PoolServer(ControlServer):
                 return False
         return True
 
-    def _connection_ended(self, rank: int, timed_out: bool) -> None:
+    def _connection_ended(self, rank: int, timed_out: bool, channel: Channel) -> None:
         self._finished.discard(rank)  # a pool's rank never finishes: its end is a loss
-        super()._connection_ended(rank, timed_out)
+        super()._connection_ended(rank, timed_out, channel)
 
 
 class CellEvents:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .events import WorldReset
 from .records import RankRecord
 from .run_report import run_report_html, run_report_text
 from .run_status import RunStatus
@@ -56,6 +57,9 @@ class RunResult:
     ended_at: float | None = None
     error: str | None = None
     mlflow: TrackedRun | None = None  # the MLflow run it logged to, if tracked (tracking.py)
+    # An elastic run's resets, in order (`events.WorldReset`: who left and joined, from which
+    # commit it resumed); None for a run that was not elastic.
+    resets: list[WorldReset] | None = None
 
     def __post_init__(self) -> None:
         self.status = RunStatus(self.status)  # also given as its word: RunResult(..., status="done")

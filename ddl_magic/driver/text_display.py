@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from .events import Event, RankFailed, RankOutput, TimelineBatch
+from .events import Event, RankFailed, RankOutput, TimelineBatch, WorldReset
 from .records import RankRecord, new_records
 from .run_status import SHOWN_ENDS, RunStatus
 from .tracebacks import without_machinery_frames
@@ -86,6 +86,10 @@ class TextDisplay:
 
     def handle(self, event: Event) -> None:
         """Print what ``event`` says, if anything (progress lines may wait, see the module doc)."""
+        if isinstance(event, WorldReset):  # an elastic run re-formed its world
+            self._write(self._err(), f"==== elastic {event.describe()} ====")
+            self._flush()
+            return
         self._check_rank(event.rank)
         if self._keeps_records:
             self._records[event.rank].apply(event)

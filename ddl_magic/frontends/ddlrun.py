@@ -25,6 +25,7 @@ import signal
 import sys
 
 from .options import make_display
+from ..driver.elastic import ElasticRunError, elastic_bounds
 from ..driver.job import Job, JobOptions
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..launch.local import LocalLauncher
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
                "ddlrun -np 2 python -c 'import torch; ...'")
     parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
                         help="number of ranks to start on this machine")
+    parser.add_argument("--min-np", dest="min_np", type=int, metavar="N",
+                        help="elastic: a lost rank resets the world instead of ending the run, "
+                             "which goes on from the last state.commit() while N ranks are "
+                             "left (lost ranks are replaced); the script uses hvd.elastic.run")
+    parser.add_argument("--max-np", dest="max_np", type=int, metavar="N",
+                        help="elastic: at most N ranks (-np at most, on this machine)")
     parser.add_argument("--timeline", metavar="PATH", default=os.environ.get("HOROVOD_TIMELINE"),
                         help="write every rank's timeline to PATH (Chrome trace format); "
                              "HOROVOD_TIMELINE does the same")
@@ -146,17 +153,25 @@ def main(argv: list[str] | None = None) -> int:
         env = parse_env(args.env)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.min_np is not None or args.max_np is not None:
+        try:
+            elastic_bounds(args.np, args.min_np, args.max_np)
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         task = command_task(args.command)
     except ValueError as exc:
         parser.error(str(exc))
     options = JobOptions(display=make_display, timeout_s=args.timeout, timeline_path=args.timeline, env=env,
-                         title=" ".join(args.command))
+                         title=" ".join(args.command), min_np=args.min_np, max_np=args.max_np)
     try:
         Job(task, args.np, LocalLauncher(), options).run()
     except RankFailedError as exc:
         code = exc.exit_code
         return 128 - code if code is not None and code < 0 else (code or 1)
+    except ElasticRunError as exc:
+        print(f"ddlrun: {exc}", file=sys.stderr)
+        return 1
     except RunTimeoutError as exc:
         print(f"ddlrun: {exc}", file=sys.stderr)
         return 124

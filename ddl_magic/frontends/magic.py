@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .options import make_display, shows_run_view
 from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
+from ..driver.elastic import elastic_bounds
 from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
@@ -41,6 +42,13 @@ class HorovodMagics(Magics):
     @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
     @argument("-np", "--num-proc", dest="np", type=int,
               help="number of ranks to run the cell on (not needed while a pool runs)")
+    @argument("--min-np", dest="min_np", type=int, metavar="N",
+              help="elastic: a lost rank resets the world instead of failing the cell; the "
+                   "run goes on from the last state.commit() while N ranks are left (lost "
+                   "local ranks are replaced). Needs hvd.elastic.run; see 'Elastic runs' in "
+                   "the README")
+    @argument("--max-np", dest="max_np", type=int, metavar="N",
+              help="elastic: at most N ranks (local runs: -np at most)")
     @argument("--ranks", metavar="R,R",
               help="in a pool: run the cell on these ranks only (inspection, printing, "
                    "saving); collectives are refused in such a cell")
@@ -120,6 +128,9 @@ class HorovodMagics(Magics):
             raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
                                     "See %%horovod? for every option.") from None
         pool = active_pool()
+        if pool is not None and (args.min_np is not None or args.max_np is not None):
+            raise HorovodUsageError("--min-np/--max-np are not built for a pool's cells yet: "
+                                    "%horovod stop the pool to run this cell elastic")
         if pool is not None:
             return self._on_pool(pool, args, line, cell)
         if args.np is None:
@@ -129,6 +140,11 @@ class HorovodMagics(Magics):
             raise HorovodUsageError("--ranks needs a pool: %horovod start -np N first")
         if args.np < 1:
             raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
+        if args.min_np is not None or args.max_np is not None:
+            try:
+                elastic_bounds(args.np, args.min_np, args.max_np)
+            except ValueError as exc:
+                raise HorovodUsageError(str(exc)) from None
         if args.spark and args.local:
             raise HorovodUsageError("choose one of --spark and --local")
         if args.out is not None and not args.out.isidentifier():
@@ -150,7 +166,8 @@ class HorovodMagics(Magics):
         launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
-                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow)
+                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
+                             min_np=args.min_np, max_np=args.max_np)
         try:
             run = Job(captured.payload, args.np, launcher, options).run()
         except KeyboardInterrupt:

@@ -46,11 +46,19 @@ class HorovodRunner:
     rank's timeline to PATH. `use_gpu=True` pins each rank to the GPU of its local_rank
     (checked before anything starts). `mlflow=True` (or an experiment name) tracks each run
     in MLflow, `False` never; by default runs are tracked while an MLflow run is active.
+
+    `min_np` and/or `max_np` make the run elastic (Horovod's `horovodrun --min-np/--max-np`):
+    a lost rank resets the world instead of failing the run, and `main`'s
+    `@hvd.elastic.run` function goes on from the last `state.commit()` while `min_np` ranks
+    are left; local runs replace lost ranks, up to `np`. `last_run.resets` lists the resets.
+
+        HorovodRunner(np=-4, min_np=2).run(train)
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
                  timeout: float | None = None, env: dict[str, str] | None = None,
-                 use_gpu: bool = False, mlflow: bool | str | None = None):
+                 use_gpu: bool = False, mlflow: bool | str | None = None,
+                 min_np: int | None = None, max_np: int | None = None):
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
             raise ValueError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
@@ -61,7 +69,8 @@ class HorovodRunner:
         self.num_processor = np
         self._options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                                    hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
-                                   title=f"HorovodRunner(np={np})", mlflow=mlflow)
+                                   title=f"HorovodRunner(np={np})", mlflow=mlflow,
+                                   min_np=min_np, max_np=max_np)
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:

@@ -141,9 +141,18 @@ class LocalLauncher:
     def __init__(self):
         self._pids: list[int] = []
         self._exited: dict[int, threading.Event] = {}
+        self._slot_pids: dict[int, int] = {}  # the process that now holds each rank's slot
+        self._start_args: tuple | None = None
 
     def check(self, np: int) -> None:
         """Nothing to check up front: any number of local processes can start."""
+
+    def check_elastic(self, np: int, max_np: int) -> None:
+        """An elastic run here keeps its `np` slots: a lost rank's replacement takes its slot."""
+        if max_np > np:
+            raise ValueError(f"max_np={max_np} is above np={np}: a local elastic run replaces "
+                             f"lost ranks and keeps at most its {np} ranks. Use -np {max_np}, "
+                             "or leave max_np out")
 
     def check_gpus(self, np: int) -> None:
         """Every rank needs a GPU of this machine: say so before starting any."""
@@ -163,26 +172,46 @@ class LocalLauncher:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys_path if p)  # for what ranks start
-        factory = rank_factory()
+        self._start_args = (control_address, secret, env, sys_path, events)
         for rank in range(np):
-            exited = threading.Event()
+            self._fork(rank)
 
-            def on_exit(returncode: int, rank=rank, exited=exited) -> None:
-                events.put(ProcessExited(rank, returncode))
-                exited.set()
+    def _fork(self, rank: int) -> None:
+        control_address, secret, env, sys_path, events = self._start_args
+        exited = threading.Event()
 
-            def on_output(stream: str, lines: list, rank=rank) -> None:
-                for text, replace in lines:
-                    events.put(RankOutput(rank, stream, text, replace))
+        def on_exit(returncode: int) -> None:
+            events.put(ProcessExited(rank, returncode))
+            exited.set()
 
-            def on_state(state: str, rank=rank) -> None:
-                events.put(RankProcessState(rank, state))
+        def on_output(stream: str, lines: list) -> None:
+            for text, replace in lines:
+                events.put(RankOutput(rank, stream, text, replace))
 
-            pid = factory.fork_rank(
-                ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
-                on_exit, on_output, on_state)
-            self._pids.append(pid)
-            self._exited[pid] = exited
+        def on_state(state: str) -> None:
+            events.put(RankProcessState(rank, state))
+
+        pid = rank_factory().fork_rank(
+            ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
+            on_exit, on_output, on_state)
+        self._pids.append(pid)
+        self._exited[pid] = exited
+        self._slot_pids[rank] = pid
+
+    def replace(self, rank: int) -> None:
+        """Start a new process in the slot of `rank`, whose process was lost (an elastic
+        run). The old one is gone first (a rank that raised gets half a second to exit on
+        its own), and its exit reported before anything of the new one."""
+        if not self._exited[self._slot_pids[rank]].wait(0.5):
+            self.kill(rank)
+        self._fork(rank)
+
+    def kill(self, rank: int) -> None:
+        """Kill the process in the slot of `rank` (stopped, unreachable or hung in an elastic
+        run), and wait up to 5 s for its exit to be reported."""
+        pid = self._slot_pids[rank]
+        _signal_group(pid, signal.SIGKILL)
+        self._exited[pid].wait(5)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Terminate every rank's process group, kill what remains after `grace_s`."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import queue
 import runpy
 import socket
 import sys
@@ -39,10 +40,14 @@ from ..runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, Hor
 from ..runtime.timeline import recorder
 from ..runtime.world import Peer, derive_world
 from ..torch import backend as torch_backend
+from ..torch import elastic
 from ..torch.group_lifetime import keep_destroyed_groups_alive
-from ..wire.channel import ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError
-from ..wire.messages import (Abort, ClockProbe, Failed, FailureKind, Finished, Output, Register,
-                             Start, TimelineEvents, TimelineStart)
+from ..wire.channel import (ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerClosedError,
+                            peer_timeout_s)
+from ..wire.elastic_settings import REPLACEMENT_START_S, elastic_timeout_s
+from ..wire.messages import (Abort, AskNextWorld, ClockProbe, Failed, FailureKind, Finished,
+                             NextWorld, Output, Register, RunCannotGoOn, Start, TimelineEvents,
+                             TimelineStart)
 from ..wire.output_lines import forward_lines
 from .environment import rank_environment, reserve_port
 
@@ -95,8 +100,10 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     channel.send(Register(rank, _host_name(rank), listener.getsockname(), os.getpid(),
                           torch_master))
     match channel.recv():
-        case Start(peers, task_bytes, settings, torch_master):
+        case Start(peers, task_bytes, settings, torch_master, world_rank, generation):
             peers = [Peer(*p) for p in peers]
+            # An elastic run's replacement registers in the slot it fills, and learns its rank.
+            rank = rank if world_rank is None else world_rank
         case Abort():  # the run was stopped before it started, or this rank is not expected
             return ABORTED_EXIT_CODE
         case other:
@@ -104,6 +111,10 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     os.environ.update(settings.env)
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
+    plans: queue.Queue = queue.Queue()  # what the driver answers an elastic rank's reset
+    if settings.elastic:
+        elastic.install(DriverRendezvous(channel, plans, torch_master, settings.run_id),
+                        generation)
     torch_backend.register()
     keep_destroyed_groups_alive()  # their destructors could deadlock (group_lifetime.py)
     if settings.pool:  # a rank that lives between cells: `cells.py` from here on
@@ -115,13 +126,15 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
         if settings.timeline:
             start_timeline_shipping()
         return serve_cells(channel, rank, output, run_reporting, _flush_timeline, _driver_time_ns)
-    threading.Thread(target=_obey_driver, args=(channel,), name="ddl-control", daemon=True).start()
+    threading.Thread(target=_obey_driver, args=(channel, plans), name="ddl-control",
+                     daemon=True).start()
     if settings.timeline:
         start_timeline_shipping()
     if store_port is not None:
         store_port.close()
     with _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel):
-        exit_code, report = _run_task(task_bytes, rank, settings.return_all)
+        # An elastic run's rank 0 is whichever rank is first when it ends: every rank reports.
+        exit_code, report = _run_task(task_bytes, rank, settings.return_all or settings.elastic)
     # A torch.distributed process group the task left open ends with this process, which
     # exits right after reporting, without running any destructor.
     stop_timeline_shipping()
@@ -140,7 +153,10 @@ def _host_name(rank: int) -> str:
     one machine look like several hosts, so mixed placements run without a cluster.
     """
     simulated = os.environ.get(TEST_HOSTS_VARIABLE)
-    return simulated.split(",")[rank].strip() if simulated else socket.gethostname()
+    if not simulated:
+        return socket.gethostname()
+    hosts = simulated.split(",")
+    return hosts[min(rank, len(hosts) - 1)].strip()
 
 
 def _run_task(task_bytes: bytes, rank: int, return_all: bool) -> tuple[int, Finished | Failed]:
@@ -152,6 +168,8 @@ def run_reporting(call, rank: int, return_all: bool) -> tuple[int, Finished | Fa
     the driver wants it, or its traceback without ddl_magic's own frames)."""
     try:
         result = call()
+    except elastic.RankRetired:  # the driver left this rank out of an elastic run's next world
+        return 0, Finished(None)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
@@ -209,14 +227,48 @@ def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
     return best_offset
 
 
-def _obey_driver(channel: Channel) -> None:
-    """Exit at once when the driver aborts the run or disappears: no rank outlives its run."""
+def _obey_driver(channel: Channel, plans: queue.Queue) -> None:
+    """Exit at once when the driver aborts the run or disappears: no rank outlives its run.
+    An elastic rank's next world, or the driver's word that there is none, goes to the
+    rank's main thread, which waits for it in `DriverRendezvous.next_world`."""
     try:
-        channel.recv()  # the only message a running rank receives is Abort
+        while isinstance(message := channel.recv(), (NextWorld, RunCannotGoOn)):
+            plans.put(message)
     except (OSError, PeerClosedError, EOFError):
         pass  # the driver went away
     if not _leaving.is_set():
         os._exit(ABORTED_EXIT_CODE)  # the driver already knows why: it asked, or it is gone
+
+
+class DriverRendezvous:
+    """An elastic rank's way to its next world (`torch.elastic.rendezvous`): ask the driver
+    over the control channel, wait for its answer, and take the new rank's environment."""
+
+    def __init__(self, channel: Channel, plans: queue.Queue,
+                 torch_master: tuple[str, int] | None, run_id: str):
+        self._channel = channel
+        self._plans = plans
+        self._torch_master = torch_master
+        self._run_id = run_id
+
+    def next_world(self, request: elastic.ResetRequest) -> elastic.WorldPlan:
+        self._channel.send(AskNextWorld(request.generation, request.rank, request.reason.value,
+                                        request.error, request.commits))
+        # The driver answers once every live rank asked (the peer timeout at most), after
+        # its wait for min_np ranks (DDL_MAGIC_ELASTIC_TIMEOUT) and the replacements' start.
+        deadline_s = elastic_timeout_s() + 2 * peer_timeout_s() + REPLACEMENT_START_S
+        try:
+            answer = self._plans.get(timeout=deadline_s)
+        except queue.Empty:
+            raise elastic.ElasticRunFailed(
+                f"the driver formed no next world within {deadline_s:.0f} s") from None
+        if isinstance(answer, RunCannotGoOn):
+            raise elastic.ElasticRunFailed(answer.reason)
+        peers = tuple(Peer(*p) for p in answer.peers)
+        if answer.rank is not None:
+            os.environ.update(rank_environment(derive_world(answer.rank, list(peers)),
+                                               self._torch_master, self._run_id))
+        return elastic.WorldPlan(answer.generation, answer.rank, peers)
 
 
 class _DriverLink:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from ..driver.events import Event, RankFailed, RankOutput, TimelineBatch
+from ..driver.events import Event, RankFailed, RankOutput, TimelineBatch, WorldReset
 from ..driver.records import RankRecord, RankStatus, new_records
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
@@ -63,7 +63,7 @@ class LogLine:
 
     __slots__ = ("rank", "text")
 
-    def __init__(self, rank: int, text: str) -> None:
+    def __init__(self, rank: int | str, text: str) -> None:
         self.rank = rank
         self.text = text
 
@@ -186,6 +186,10 @@ class RunView:
         """Take one event into the view's state; the widgets change on the next ``refresh()``."""
         if isinstance(event, TimelineBatch):
             self._add_timeline(event)
+            return
+        if isinstance(event, WorldReset):  # an elastic run re-formed its world: a line for all
+            self._all.append(LogLine("elastic", event.describe()))
+            self._all_changed = True
             return
         rank = self._rank(event.rank)
         if self._keeps_records:

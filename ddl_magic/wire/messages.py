@@ -8,6 +8,8 @@ Who sends what:
     rank ──► driver      ClockProbe, Register, Output, TimelineEvents, TimelineStart,
                          Finished, Failed
     driver ──► rank      ClockReading, Start (with the run's RunSettings), Abort
+    rank ──► driver      AskNextWorld   (an elastic run's reset, `driver/elastic.py`)
+    driver ──► rank      NextWorld, RunCannotGoOn
     task ──► driver      TaskStarted, TaskAlive, TaskOutput, TaskExited
                          (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
@@ -76,6 +78,7 @@ class RunSettings:
     timeline: bool  # the rank records its timeline from the start and ships it to the driver
     return_all: bool  # every rank sends back its task's return value, not only rank 0
     pool: bool = False  # no task: the rank serves a pool's cells until stopped (`rank/cells.py`)
+    elastic: bool = False  # a lost rank resets the world instead of ending the run
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +90,45 @@ class Start:
     task: bytes
     settings: RunSettings
     torch_master: tuple[str, int] | None
+    # An elastic run's replacement joins a world that was re-formed: its rank there (None: the
+    # rank it registered as) and that world's generation.
+    rank: int | None = None
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Abort:
     """Stop now (driver to ranks; rank 0 to the others when negotiation fails)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AskNextWorld:
+    """An elastic rank left its world (`generation`, where it was `rank`) and waits for the
+    next one: `reason` a `ResetReason` value, `error` what ended it, `commits` how many
+    commits its state has made."""
+
+    generation: int
+    rank: int
+    reason: str
+    error: str
+    commits: int
+
+
+@dataclass(frozen=True, slots=True)
+class NextWorld:
+    """The world the driver formed after a reset: this rank's number in it (None: it is
+    left out) and the peer table."""
+
+    generation: int
+    rank: int | None
+    peers: list[tuple[int, str, tuple[str, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class RunCannotGoOn:
+    """The driver cannot form a next world (too few ranks, too many resets): why."""
 
     reason: str
 

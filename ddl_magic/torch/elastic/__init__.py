@@ -24,24 +24,28 @@ the function again after a reset), `sampler.py` (data dealt out again over the n
 the driver), `exceptions.py`.
 
 
-The driver's side of a reset (to build; the rank's side is here)
-================================================================
+The driver's side of a reset (the rank's side is here)
+=====================================================
+
+Built for local runs: `driver/elastic.py` (the phases), `driver/elastic_plan.py` (the
+decisions, pure), the messages in `wire/messages.py` and `rank/worker.py`'s
+`DriverRendezvous`. Still to build: host-update notices (6) and Spark (7).
 
 A rank re-forms its world through the `ElasticRendezvous` that its worker installs
 (`rendezvous.install`) before the user's code runs. Without one, a rank uses `SameWorld`:
 a reset then reconnects the same ranks, which works while all of them live (tested), and
-a lost rank ends the run as today. What the driver and the worker must provide:
+a lost rank ends the run as today. What the driver and the worker provide:
 
 1. **The messages.** `ResetRequest` (rank -> driver: the world that ended, the rank's
    number in it, why, the error, its commit count) and `WorldPlan` (driver -> rank: the
    next world's number, this rank's number in it or None, the peer table) become frozen
    dataclasses in `wire/`, plus a "run cannot go on" answer carrying the reason, which
    the worker's `next_world` raises as `ElasticRunFailed`, and a host-update notice
-   (timestamp, `HostUpdateResult`) that the worker passes to `notify_hosts_updated`. Today
-   the worker's control thread (`rank/worker.py: _obey_driver`) takes any message for an
-   abort: it must dispatch by type, handing plans to the waiting `next_world`. After a
-   plan the worker refreshes the rank's environment (`RANK`, `HOROVOD_RANK`, ... from
-   `rank_environment`), which `reform_world` cannot reach from this layer.
+   (timestamp, `HostUpdateResult`) that the worker passes to `notify_hosts_updated` (not
+   built yet). The worker's control thread (`rank/worker.py: _obey_driver`) dispatches by
+   type, handing plans to the waiting `next_world`. After a plan the worker refreshes the
+   rank's environment (`RANK`, `HOROVOD_RANK`, ... from `rank_environment`), which
+   `reform_world` cannot reach from this layer.
 
 2. **When a reset starts.** A rank's process ends (the factory or the Spark task reports
    it), or a rank asks (its collective raised `HorovodInternalError`). The survivors'

@@ -26,18 +26,17 @@ here means a failure that repeats at every attempt cannot restart forever.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ...wire import elastic_settings
 from ...runtime.errors import CollectiveMismatchError, HorovodInternalError
 from .exceptions import ElasticRunFailed, HostsUpdatedInterrupt
 from .notices import notices
 from .rendezvous import ResetReason, WorldPlan, reform_world
 from .state import State
 
-DEFAULT_RESET_LIMIT = 10
 
 Result = TypeVar("Result")
 ReformWorld = Callable[[ResetReason, str, int], WorldPlan]
@@ -68,7 +67,7 @@ def run_fn(func: Callable[..., Result], reform: ReformWorld,
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Result:
-        limit = _reset_limit() if reset_limit is None else reset_limit
+        limit = elastic_settings.reset_limit() if reset_limit is None else reset_limit
         notices.register(state)
         try:
             return _run_with_resets(func, state, args, kwargs, reform, limit)
@@ -111,18 +110,6 @@ def _run_with_resets(func: Callable[..., Result], state: State, args: tuple, kwa
         resets += 1
         _say(f"reset {resets} after {pending[1]}"
              + ("; restored the last commit" if pending[0] is ResetReason.FAILURE else ""))
-
-
-def _reset_limit() -> int:
-    text = os.environ.get("DDL_MAGIC_ELASTIC_RESET_LIMIT", str(DEFAULT_RESET_LIMIT))
-    try:
-        limit = int(text)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"DDL_MAGIC_ELASTIC_RESET_LIMIT={text!r}: expected a whole number of "
-                         f"resets, 0 or more (default {DEFAULT_RESET_LIMIT})")
-    return limit
 
 
 def _say(line: str) -> None:

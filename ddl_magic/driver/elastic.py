@@ -1,0 +1,329 @@
+"""An elastic run, watched: a lost rank resets the world instead of ending the run.
+
+The rank's side of a reset is `torch/elastic/` (its design note says what this side owes
+it); the decisions are `elastic_plan.py`'s. `ElasticWatcher` replaces `RunWatcher`'s
+fail-fast for runs started with `min_np`/`max_np`, and only for those: a run without them
+is watched as it always was.
+
+Slots. The run view and the run's record have one row per *slot*: the run's `np` slots, each
+held by one process at a time. The process in a slot is addressed by the slot's number (its
+events, its control channel, its log), while its rank changes from world to world: a
+replacement takes the slot of a rank that was lost and joins the next world as one of its
+last ranks. `RunResult.resets` says, for each reset, which ranks left and joined and which
+slot holds each rank of the new world.
+
+The phases of a reset, one flat loop with a branch per phase (`Phase`), each wait bounded:
+
+    RUNNING ── a member lost, or one asks ──► GATHERING  (every member asks or is lost; hung
+                                                          after 2 peer timeouts + 1 s: killed)
+    GATHERING ── all in ──► WAITING when below min_np (at most DDL_MAGIC_ELASTIC_TIMEOUT,
+                                                       then the run fails)
+                       └──► STARTING  replacements forked from the rank factory, until each
+                                      registered (REPLACEMENT_START_S at most)
+    STARTING ── all registered ──► RUNNING  every member sent its place in the new world
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import queue
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .attribution import describe_exit
+from .elastic_plan import (DEFAULT_BLACKLIST_AFTER, ElasticBounds, ResetRound, WorldChoice,
+                           blacklisted_hosts, choose_next_world, over_reset_limit, too_few_ranks)
+from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankStarted,
+                     ResetAsked, WorldReset)
+from .records import RankStatus
+from .run_result import RunTimeoutError
+from .run_status import RunStatus
+from .watcher import REFRESH_INTERVAL_S, REGISTER_TIMEOUT_S, RunWatcher
+from ..wire.channel import peer_timeout_s
+from ..wire.elastic_settings import REPLACEMENT_START_S, elastic_timeout_s, reset_limit
+from ..wire.messages import NextWorld, RunCannotGoOn
+
+if TYPE_CHECKING:
+    from .control import ControlServer
+
+BLACKLIST_AFTER_VARIABLE = "DDL_MAGIC_ELASTIC_BLACKLIST_AFTER"
+# The timeline's row for resets, written by the driver (a lane the ranks never record, so
+# not in `timeline/lanes.py`'s table: its row comes after theirs).
+RESET_LANE = "elastic reset"
+
+
+def ask_timeout_s() -> float:
+    """How long a reset waits for every live rank to ask for the next world: a survivor
+    waiting on a peer that stopped (not died) hears of it after the peer timeout, so twice
+    that, and a second for its message."""
+    return 2 * peer_timeout_s() + 1.0
+
+
+class ElasticRunError(RuntimeError):
+    """An elastic run could not go on: too few ranks after the wait, or too many resets."""
+
+
+def elastic_bounds(np: int, min_np: int | None, max_np: int | None) -> ElasticBounds:
+    """The bounds of a run of `np` ranks given `min_np` and/or `max_np`, checked, with the
+    limits the environment sets (`wire/elastic_settings.py`, DDL_MAGIC_ELASTIC_BLACKLIST_AFTER)."""
+    low = np if min_np is None else min_np
+    high = np if max_np is None else max_np
+    if not 1 <= low <= np <= high:
+        raise ValueError(f"elastic run: need 1 <= min_np <= np <= max_np, got min_np={low}, "
+                         f"np={np}, max_np={high}: e.g. -np 4 --min-np 2 --max-np 4")
+    text = os.environ.get(BLACKLIST_AFTER_VARIABLE, str(DEFAULT_BLACKLIST_AFTER))
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{BLACKLIST_AFTER_VARIABLE}={text!r}: expected a number of failures, "
+                         f"1 or more (default {DEFAULT_BLACKLIST_AFTER})")
+    return ElasticBounds(low, high, reset_limit(), elastic_timeout_s(), int(text))
+
+
+class Phase(enum.Enum):
+    """Where the run is in its resets (the module doc draws the transitions)."""
+
+    RUNNING = "running"
+    GATHERING = "gathering"  # every member of the world that ended asks or is lost
+    WAITING = "waiting"  # fewer than min_np ranks: waiting, bounded, for more
+    STARTING = "starting"  # replacements started, not all registered yet
+
+
+class ElasticWatcher(RunWatcher):
+    """`RunWatcher` for an elastic run: a lost rank starts a reset (the module doc)."""
+
+    def __init__(self, *args, launcher, bounds: ElasticBounds, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._launcher = launcher
+        self._bounds = bounds
+        self._server: ControlServer | None = None
+        self._phase = Phase.RUNNING
+        self._generation = 0
+        self._world: list[int] = list(range(self.record.np))  # slots, in rank order
+        self._round: ResetRound | None = None
+        self._choice: WorldChoice | None = None
+        self._phase_since = 0.0
+        self._starting: set[int] = set()  # replacements not registered yet
+        self._exit_pending: set[int] = set()  # slots whose lost process's exit is still queued
+        self._vanished: set[int] = set()  # lost by a closed connection, exit status not known yet
+        self._host_failures: Counter = Counter()
+        self._failures_taken = 0
+        self.record.resets = []
+
+    def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
+        """Handle events until every rank of the current world finished; raise
+        `ElasticRunError` when the run cannot go on."""
+        self._server = server
+        started = time.monotonic()
+        while not self._finished():
+            now = time.monotonic()
+            if timeout_s is not None and now - started > timeout_s:
+                self.record.status = RunStatus.TIMED_OUT
+                raise RunTimeoutError(
+                    f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
+                    f"Logs: {self.record.log_dir}")
+            if (self._generation == 0 and now - started > REGISTER_TIMEOUT_S
+                    and len(server.registered) < self.record.np):
+                self._fail(f"ranks {sorted(set(range(self.record.np)) - server.registered)} did "
+                           f"not connect within {REGISTER_TIMEOUT_S:.0f} s")
+            try:
+                self.handle(events.get(timeout=REFRESH_INTERVAL_S))
+            except queue.Empty:
+                pass
+            self._judge_liveness()
+            self._take_failures()
+            self._advance(time.monotonic())
+            self._refresh()
+        self._results = {rank: self._results[slot] for rank, slot in enumerate(self._world)}
+        self._collect_results()
+        self.record.status = RunStatus.DONE
+
+    def handle(self, event) -> None:
+        if isinstance(event, ResetAsked):
+            self._asked(event)
+            return
+        if isinstance(event, RankStarted) and self.record.ranks[event.rank].ended:
+            self._restart_record(event.rank)
+            self._starting.discard(event.rank)  # registered: it waits for its place
+        if isinstance(event, RankFinished) and event.rank not in self._world:
+            self.record.ranks[event.rank].apply(event)  # retired: its part is over
+            return
+        if isinstance(event, RankFinished) and self._round is not None:
+            # It returned before it saw the world end: it left the ring, and will not ask.
+            self._round.lose(event.rank, "it had returned before the reset")
+        if isinstance(event, ProcessExited):
+            if event.rank in self._starting and event.rank not in self._exit_pending:
+                self._starting.discard(event.rank)  # the replacement died before it registered
+                self._host_failures[self._slot_host(event.rank)] += 1
+            elif self._round is not None and event.rank in self._vanished:
+                # a lost process's exit status says more than its closed connection
+                self._round.lost[event.rank] = describe_exit(event.returncode)
+            self._exit_pending.discard(event.rank)
+            self._vanished.discard(event.rank)
+        super().handle(event)
+
+    # ---- the phases ------------------------------------------------------------------------
+
+    def _advance(self, now: float) -> None:
+        if self._phase is Phase.GATHERING:
+            for slot in self._round.hung(now):
+                self._launcher.kill(slot)
+                self._round.lose(slot, f"hung: it did not reach the reset within "
+                                       f"{self._round.ask_timeout_s:g} s")
+            if self._round.complete:
+                self._choose(now)
+        if self._phase is Phase.WAITING:
+            self._choose(now)
+        if self._phase is Phase.STARTING:
+            if self._starting and now - self._phase_since > REPLACEMENT_START_S:
+                for slot in self._starting:
+                    self._launcher.kill(slot)
+                self._starting.clear()
+            if not self._starting:
+                self._form_world()
+
+    def _choose(self, now: float) -> None:
+        """The round is in: fail at the reset limit, wait below min_np, or start replacements."""
+        if (why := over_reset_limit(len(self.record.resets), self._bounds)) is not None:
+            self._fail(why)
+        survivors = self._round.survivors
+        if not survivors:
+            self._fail(f"every rank of world {self._generation} was lost at once "
+                       f"({'; '.join(f'rank {rank}: {why}' for rank, why in self._round.left())})"
+                       ": the commits lived in their memory. Start the run again")
+        free = [slot for slot in range(self.record.np) if slot not in survivors]
+        choice = choose_next_world(survivors, free, {s: self._slot_host(s) for s in free},
+                                   self._host_failures, self._bounds)
+        if choice.short_by:
+            if self._phase is not Phase.WAITING:
+                self._phase, self._phase_since = Phase.WAITING, now
+                self._say(f"{len(choice.members)} rank(s) can go on, min_np is "
+                          f"{self._bounds.min_np}: waiting up to {self._bounds.wait_s:g} s")
+            elif now - self._phase_since >= self._bounds.wait_s:
+                self._fail(too_few_ranks(len(choice.members), self._bounds, self._bounds.wait_s,
+                                         blacklisted_hosts(self._host_failures, self._bounds)))
+            return
+        self._choice = choice
+        self._phase, self._phase_since = Phase.STARTING, now
+        self._starting = set(choice.replacements)
+        for slot in choice.replacements:
+            self._server.expect_again(slot)
+            self._launcher.replace(slot)  # returns once the lost process's exit is queued
+            if self.record.ranks[slot].exit_code is None:
+                self._exit_pending.add(slot)
+
+    def _form_world(self) -> None:
+        """Send every member its place in the next world; replacements that did not come are
+        left out (the run fails if that leaves fewer than min_np)."""
+        round_, choice = self._round, self._choice
+        members = [slot for slot in choice.members if not self.record.ranks[slot].ended
+                   and (slot in choice.replacements or slot not in round_.lost)]
+        if len(members) < self._bounds.min_np:
+            self._fail(too_few_ranks(len(members), self._bounds, 0.0,
+                                     blacklisted_hosts(self._host_failures, self._bounds)))
+        generation = self._generation + 1
+        peers = [(rank, *self._server.registration(slot)) for rank, slot in enumerate(members)]
+        for rank, slot in enumerate(members):
+            if slot in choice.replacements:
+                self._server.start_joined(slot, peers, rank, generation)
+            else:
+                self._server.send(slot, NextWorld(generation, rank, peers))
+        for slot in choice.retired:
+            self._server.send(slot, NextWorld(generation, None, peers))
+        left = round_.left()
+        reset = WorldReset(generation, tuple(rank for rank, _ in left),
+                           tuple(reason for _, reason in left),
+                           tuple(rank for rank, slot in enumerate(members)
+                                 if slot in choice.replacements),
+                           len(members), round_.asked.get(members[0], 0), tuple(members),
+                           time.time())
+        self.record.resets.append(reset)
+        self._say(reset.describe())
+        self.display.handle(reset)
+        if self._trace is not None:  # the reset, from its first sign to the new world, per row
+            start_us = round_.started_at * 1e6  # the driver's monotonic clock, as the trace's
+            event = (RESET_LANE, reset.describe(), start_us, time.monotonic() * 1e6 - start_us,
+                     None)
+            for slot in members:
+                self._trace.write(slot, [event])
+        self._generation, self._world = generation, members
+        self._phase, self._round, self._choice = Phase.RUNNING, None, None
+
+    # ---- what starts and feeds a reset ---------------------------------------------------
+
+    def _asked(self, event: ResetAsked) -> None:
+        if event.generation != self._generation or event.slot not in self._world:
+            return  # a world that was already re-formed
+        self._start_round()
+        self._round.ask(event.slot, event.commits)
+
+    def _take_failures(self) -> None:
+        """A failure of a member is a lost rank (RunWatcher would end the run on it)."""
+        for failure in self._failures[self._failures_taken:]:
+            self._lose(failure)
+        self._failures_taken = len(self._failures)
+
+    def _lose(self, failure: RankFailed) -> None:
+        slot = failure.rank
+        if slot not in self._world or (self._round is not None and slot in self._round.lost):
+            return
+        self._start_round()
+        exit_code = self.record.ranks[slot].exit_code
+        if failure.kind is FailureKind.VANISHED and exit_code is None:
+            self._vanished.add(slot)
+        self._round.lose(slot, _why_lost(failure, exit_code))
+        if failure.kind in (FailureKind.STOPPED, FailureKind.UNREACHABLE):
+            # Its process may live on: the survivors' collectives end when it is gone.
+            self._launcher.kill(slot)
+        self._host_failures[self._slot_host(slot)] += 1
+
+    def _start_round(self) -> None:
+        if self._round is None:
+            self._round = ResetRound(self._generation, tuple(self._world), time.monotonic(),
+                                     ask_timeout_s())
+            self._phase = Phase.GATHERING
+            for slot in self._world:
+                if slot in self._results:
+                    self._round.lose(slot, "it had returned before the reset")
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _finished(self) -> bool:
+        return self._phase is Phase.RUNNING and all(slot in self._results for slot in self._world)
+
+    def _restart_record(self, slot: int) -> None:
+        """A replacement holds the slot now: its row starts over, its log goes on."""
+        record = self.record.ranks[slot]
+        record.status, record.reason, record.failure = RankStatus.STARTING, "", None
+        record.ended_at, record.exit_code = None, None
+        self._results.pop(slot, None)
+        self._logs[slot].write(f"---- ddl_magic: a replacement rank starts in this slot "
+                               f"(world {self._generation + 1}) ----\n")
+
+    def _slot_host(self, slot: int) -> str:
+        return self.record.ranks[slot].host
+
+    def _say(self, line: str) -> None:
+        for log in self._logs.values():
+            log.write(f"---- ddl_magic elastic: {line} ----\n")
+
+    def _fail(self, why: str) -> None:
+        """The run cannot go on: every waiting rank hears why, and the run fails with it."""
+        if self._server is not None:
+            for slot in self._world:
+                self._server.send(slot, RunCannotGoOn(why))
+        self.record.status = RunStatus.FAILED
+        self.record.error = why
+        raise ElasticRunError(why)
+
+
+def _why_lost(failure: RankFailed, exit_code: int | None) -> str:
+    """The reason a reset shows for a lost rank: its exit status where its connection closed
+    first, the exception's last line where it raised."""
+    if failure.kind is FailureKind.VANISHED and exit_code is not None:
+        return describe_exit(exit_code)
+    last_line = next((line for line in reversed(failure.traceback.splitlines()) if line.strip()),
+                     "")
+    if failure.kind is FailureKind.RAISED and last_line:
+        return last_line.strip()
+    return failure.reason
