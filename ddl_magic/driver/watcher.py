@@ -88,6 +88,7 @@ class RunWatcher:
         """Handle events until every rank finished; raise RankFailedError on the first failure."""
         started = time.monotonic()
         first_failure_at = None
+        cause_in = False
         while len(self._results) < self.record.np:
             now = time.monotonic()
             if first_failure_at is not None and failures_settled(
@@ -115,6 +116,11 @@ class RunWatcher:
                 first_failure_at = time.monotonic()
                 self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
                 server.abort(f"rank {self._failures[0].rank} failed")
+            if self._await_cause and not cause_in and any(
+                    f.kind is not FailureKind.LOST_PEER for f in self._failures):
+                # The moment settles from the cause, not from the lost peers that came before
+                # it: ranks lost with it (a host's, let go together) are in by then.
+                cause_in, first_failure_at = True, time.monotonic()
             self._refresh()
         if self._failures:
             self._raise_failure()
