@@ -238,12 +238,15 @@ def test_a_host_lost_between_cells_breaks_the_pool_saying_so(pool, cluster):
     cluster.cut_link(host)
     cut_at = time.monotonic()
     try:
-        # Nobody runs a cell: the pool itself notices, within the peer timeout and a report.
-        assert wait_until(lambda: pool.state is PoolState.BROKEN, timeout_s=PEER_TIMEOUT_S + 10), \
+        # Nobody runs a cell: the pool itself notices, within the peer timeout and a report,
+        # and then stops its other ranks and its stage.
+        assert wait_until(lambda: pool.broken_reason, timeout_s=PEER_TIMEOUT_S + 10), \
             "the idle pool did not notice its lost host"
         noticed_after = time.monotonic() - cut_at
-        print(f"the idle pool broke {noticed_after:.2f} s after the cut "
-              f"(peer timeout {PEER_TIMEOUT_S} s)")
+        assert wait_until(lambda: pool.state is PoolState.BROKEN, timeout_s=40)
+        print(f"the idle pool judged its host lost {noticed_after:.2f} s after the cut, and was "
+              f"broken {time.monotonic() - cut_at:.2f} s after it (peer timeout {PEER_TIMEOUT_S} s)")
+        assert noticed_after < PEER_TIMEOUT_S + 1.5, f"noticed too late: {noticed_after:.2f} s"
         with pytest.raises(PoolBrokenError) as broken:
             cell(pool, "kept")
         said = str(broken.value)
@@ -254,5 +257,43 @@ def test_a_host_lost_between_cells_breaks_the_pool_saying_so(pool, cluster):
     finally:
         cluster.restore_link(host)
     assert wait_until(lambda: not any(map(process_alive, pids)), timeout_s=PEER_TIMEOUT_S + 20), \
+        "ranks were left running"
+    assert wait_until(no_spark_job_active, timeout_s=30), "the broken pool still holds its slots"
+
+
+def test_a_hosts_worker_killed_in_a_cell_fails_it_naming_the_host_and_breaks_the_pool(pool,
+                                                                                     cluster,
+                                                                                     tmp_path):
+    """(Last: the cluster keeps one worker after it.)"""
+    import psutil
+
+    cell(pool, HVD)
+    outcome, thread, _ = start_looping(pool, tmp_path)
+    name = pool.hosts[1]
+    host = next(h for h in cluster.hosts if h.name == name)
+    lost = sorted(rank for rank in range(NP) if pool.hosts[rank] == name)
+    pids = [pid for pid in pool.pids if pid is not None]
+    worker = psutil.Process(host.worker.pid)
+    for process in [worker, *worker.children(recursive=True)]:
+        process.kill()
+    killed_at = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the cell did not end"
+    error = outcome.get("error")
+    assert isinstance(error, RankFailedError), outcome
+    print(f"the lost executor was named, and the cell ended, {outcome['at'] - killed_at:.2f} s "
+          "after its worker was killed")
+    assert outcome["at"] - killed_at < 10, "noticed too late"
+    assert error.rank in lost and error.host == name
+    # A rank whose process died with the executor vanished; one whose process outlived its
+    # task (orphaned, until the pool stops it) went silent: either names the host.
+    assert (f"the Spark executor on {name} was lost" in error.reason
+            or f"its host {name} stopped answering" in error.reason), error.reason
+    with pytest.raises(PoolBrokenError) as broken:
+        cell(pool, "1")
+    said = str(broken.value)
+    assert f"ranks {lost[0]} and {lost[1]} ({name}) were lost" in said, said
+    assert "%horovod restart" in said, said
+    assert wait_until(lambda: not any(map(process_alive, pids)), timeout_s=20), \
         "ranks were left running"
     assert wait_until(no_spark_job_active, timeout_s=30), "the broken pool still holds its slots"
