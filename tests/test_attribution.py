@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from ddl_magic.driver.attribution import LAST_WORDS_TIMEOUT_S, RankFacts, failures_settled
+from ddl_magic.driver.attribution import (CAUSE_TIMEOUT_S, LAST_WORDS_TIMEOUT_S, RankFacts,
+                                          failures_settled)
 from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankStarted
 from ddl_magic.driver.watcher import RunWatcher
 from ddl_magic.driver.run_result import RankFailedError, RunResult
@@ -117,6 +118,24 @@ def test_the_cause_is_chosen_once_the_failed_ranks_exits_are_in_or_their_last_wo
     assert failures_settled([vanished], no_exits, LAST_WORDS_TIMEOUT_S, exits_follow_output=True)
     assert failures_settled([unreachable], no_exits, 1.0, exits_follow_output=True)
     assert failures_settled([vanished], no_exits, 1.0, exits_follow_output=False)
+
+
+def test_a_pool_waits_briefly_for_the_cause_of_ranks_that_only_lost_a_peer():
+    """A pool's ranks outlive a failed cell: no exit settles the moment. While only lost
+    peers are in (the ring timed out on a host the driver is about to judge silent), the
+    cause is awaited, a little longer than a lost rank's failure waits for its exit status;
+    once it is in, the moment settles at once."""
+    symptom = failed(0, FailureKind.LOST_PEER, 0, lost_rank=1)
+    cause = failed(1, FailureKind.UNREACHABLE, 10)
+    ranks = [RankFacts("host-b", None, False)] * 4
+    assert failures_settled([symptom], ranks, 1.0, exits_follow_output=False)  # one-shot runs
+    assert not failures_settled([symptom], ranks, 1.0, exits_follow_output=False, await_cause=True)
+    assert failures_settled([symptom, cause], ranks, 1.0, exits_follow_output=False,
+                            await_cause=True)
+    assert not failures_settled([symptom], ranks, LAST_WORDS_TIMEOUT_S,
+                                exits_follow_output=False, await_cause=True)
+    assert failures_settled([symptom], ranks, CAUSE_TIMEOUT_S, exits_follow_output=False,
+                            await_cause=True)
 
 
 def stop_rank_1():

@@ -49,6 +49,15 @@ def test_silence_means_a_lost_host_only_from_an_owner_that_reports_periodically(
     assert watch.verdicts(now=4.0 + LIMIT_S) == [(1, Verdict.OWNER_SILENT)]
 
 
+def test_between_a_pools_cells_only_silence_is_judged_and_a_stop_waits_for_the_next_cell():
+    watch = LivenessWatch(TIMEOUT_S)
+    watch.reported(0, ProcessState.STOPPED, now=0.0, periodic=True)
+    watch.reported(1, ProcessState.SLEEPING, now=0.0, periodic=True)
+    watch.reported(0, ProcessState.STOPPED, now=LIMIT_S, periodic=True)
+    assert watch.verdicts(now=LIMIT_S, stopped_too=False) == [(1, Verdict.OWNER_SILENT)]
+    assert watch.verdicts(now=LIMIT_S) == [(0, Verdict.STOPPED)]  # still there to judge
+
+
 def test_a_finished_rank_is_judged_no_more():
     watch = LivenessWatch(TIMEOUT_S)
     watch.reported(0, ProcessState.STOPPED, now=0.0, periodic=True)

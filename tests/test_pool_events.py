@@ -3,6 +3,7 @@ processes: a rank's end of the cell comes after its last line, a late word about
 is dropped, and a lost rank's failure waits for its exit status."""
 
 import queue
+import time
 
 import pytest
 
@@ -104,3 +105,20 @@ def test_a_lost_ranks_failure_follows_its_exit_status(exit_first):
         pool._events.put(event)
     assert _drain(events) == [exited, lost]
     assert "SIGKILL" in pool.lost[1]  # how it ended, not how its connection did
+
+
+def test_ranks_lost_together_with_no_exit_status_are_let_go_together(monkeypatch):
+    """A host's executor killed: neither rank's exit status ever comes. Once the first one's
+    wait is over, the other lost a moment later goes with it, and the watcher names both."""
+    monkeypatch.setattr(pool_server, "LAST_WORDS_TIMEOUT_S", 0.2)
+    pool = _Pool()
+    events = CellEvents(pool, epoch=1, ranks=[0, 1])
+    first = RankFailed(0, "b", FailureKind.VANISHED, "", "connection lost")
+    second = RankFailed(1, "b", FailureKind.VANISHED, "", "connection lost")
+    pool._events.put(first)
+    assert _drain(events) == []
+    time.sleep(0.1)
+    pool._events.put(second)
+    assert _drain(events) == []  # both wait for an exit status
+    assert events.get(timeout=1) == first
+    assert _drain(events) == [second]  # at once, not 0.1 s later

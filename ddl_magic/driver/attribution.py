@@ -36,6 +36,11 @@ FAILURE_SETTLE_S = 0.3
 # Where the launcher forwards the ranks' output (local ranks), a failed rank's exit is
 # reported after everything it wrote: wait that long at most for its last words.
 LAST_WORDS_TIMEOUT_S = 3.0
+# Where ranks only lost a peer, how long to wait for the failure that caused it (`await_cause`):
+# a lost rank's own failure may wait for its exit status up to `LAST_WORDS_TIMEOUT_S` after its
+# connection dropped, which is about when its peers lost it; a host cut off is judged silent
+# about when its peers' ring connections time out.
+CAUSE_TIMEOUT_S = LAST_WORDS_TIMEOUT_S + 1.0
 
 
 @dataclass(frozen=True)
@@ -100,11 +105,14 @@ def attribute(failures: list[RankFailed], ranks: list[RankFacts], aborted_at_ns:
 
 
 def failures_settled(failures: list[RankFailed], ranks: list[RankFacts], since_first_s: float,
-                     exits_follow_output: bool) -> bool:
+                     exits_follow_output: bool, await_cause: bool = False) -> bool:
     """Have the failures of this moment all come in, `since_first_s` seconds after the first,
     and the failed ranks' last words? (None are coming from a host that stopped answering, or
     from a stopped process.) `exits_follow_output`: the launcher reports a rank's exit after
-    everything it wrote.
+    everything it wrote. `await_cause`: while every failure is only a lost peer, wait (at
+    most `CAUSE_TIMEOUT_S`) for the failure that caused them. A pool's ranks outlive a
+    failed cell, so no exit of theirs marks the moment settled; and the ring's own timeout
+    can end a collective just before the driver judges the peer's host silent.
 
     Example:
         >>> died = RankFailed(1, "host-a", FailureKind.VANISHED, "", "connection lost", at_ns=0)
@@ -115,6 +123,9 @@ def failures_settled(failures: list[RankFailed], ranks: list[RankFacts], since_f
         True
     """
     if since_first_s < FAILURE_SETTLE_S:
+        return False
+    if await_cause and since_first_s < CAUSE_TIMEOUT_S and all(
+            f.kind is FailureKind.LOST_PEER for f in failures):
         return False
     return (not exits_follow_output or since_first_s >= LAST_WORDS_TIMEOUT_S
             or all(ranks[f.rank].exit_code is not None for f in failures

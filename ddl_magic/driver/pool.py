@@ -14,6 +14,12 @@ same `RunWatcher` as a one-shot run; what differs is what happens at its end:
                               ranks are stopped at once, nothing is left running, and the
                               next cell says so and how to go on (`%horovod restart`)
 
+Between cells nothing else reads the pool's events, so a thread of its own takes them in
+every report interval (`_watch_between_cells`): a rank that died, or a host whose Spark
+tasks fell silent for the peer timeout (`wire/liveness.py`, the judgement a cell's watcher
+makes too, and goes on with), breaks an idle pool at once, releasing its other ranks and
+its Spark slots; the tasks' reports never pile up in the queue.
+
 Why a lost rank breaks the pool instead of restarting it behind the user's back: a rank's
 namespace holds what earlier cells built (a model half trained); fresh ranks would run the
 next cell without it and fail further on, or worse, succeed on a different state. The user
@@ -48,7 +54,8 @@ import cloudpickle
 
 from .attribution import describe_exit
 from .display import DisplayFactory, text_display
-from .events import ProcessExited, RankFailed, RankOutput, RankStarted
+from .events import (ProcessExited, RankFailed, RankOutput, RankProcessState, RankStarted,
+                     describe_ranks)
 from .job import remember_run
 from .pool_server import LOST, CellEndedOn, CellEvents, PoolServer
 from .records import RankStatus, new_records
@@ -59,6 +66,7 @@ from .watcher import REGISTER_TIMEOUT_S, RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..timeline.chrome import join_traces
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.liveness import LivenessWatch, ProcessState, report_interval_s
 from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, Pull,
                              RunCell, RunSettings)
 
@@ -142,6 +150,11 @@ class Pool:
         self._running_ranks: set[int] = set()
         self._gone: dict[int, str] = {}  # rank -> how it was lost
         self._launcher_stopped = False
+        self._liveness = LivenessWatch(peer_timeout_s())
+        # Held by whoever reads the events or changes the state: a cell, a pull, a status,
+        # start and stop, and the watch between cells while it takes in what came.
+        self._lock = threading.RLock()
+        self._stop_watching = threading.Event()
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -153,11 +166,13 @@ class Pool:
                 raise PoolError(_active.already_running())
             _active = self
         try:
-            self._start()
+            with self._lock:
+                self._start()
         except BaseException:
             self._release()
             raise
         atexit.register(self.stop)
+        self._watch_between_cells()
         return self
 
     def _start(self) -> None:
@@ -188,6 +203,7 @@ class Pool:
         self._events = queue.Queue()
         self._gone = {}
         self._ring_ok = True
+        self._liveness = LivenessWatch(peer_timeout_s())
         self.state = PoolState.STARTING
         self._server = PoolServer(secret, self.np, b"", settings, self._events,
                                    self.launcher.bind_host, self.launcher.advertised_host)
@@ -198,18 +214,37 @@ class Pool:
     def stop(self) -> None:
         """Stop every rank (their state is gone) and release what the pool holds."""
         atexit.unregister(self.stop)
-        if self._server is not None:
-            self._server.stop_ranks("the pool was stopped")
-        self._release()
-        self.state = PoolState.STOPPED
+        self._stop_watching.set()
+        with self._lock:
+            if self._server is not None:
+                self._server.stop_ranks("the pool was stopped")
+            self._release()
+            self.state = PoolState.STOPPED
 
     def restart(self) -> "Pool":
         """Fresh ranks with the same options; the old ranks' state is gone."""
-        self.stop()
-        self.rank_names = set()
-        self.broken_reason = ""
-        self.cells = 0
-        return self.start()
+        with self._lock:
+            self.stop()
+            self.rank_names = set()
+            self.broken_reason = ""
+            self.cells = 0
+            return self.start()
+
+    def _watch_between_cells(self) -> None:
+        """Take in the events of an idle pool every report interval, from a thread (see the
+        module's docstring). It never waits on the queue itself, only on its stop: a cell
+        takes the lock at once. It ends with the pool's ranks (stopped, broken, restarted)."""
+        stop = self._stop_watching = threading.Event()
+        interval = report_interval_s(self._liveness.peer_timeout_s)
+
+        def watch() -> None:
+            while not stop.wait(interval):
+                with self._lock:
+                    if stop.is_set() or self.state is not PoolState.READY:
+                        return
+                    self._absorb_between_cells()
+
+        threading.Thread(target=watch, name="ddl-pool-between-cells", daemon=True).start()
 
     def _release(self, still_active: bool = False) -> None:
         """Stop the processes and the server. `still_active`: the pool stays this process's
@@ -252,6 +287,11 @@ class Pool:
     def run_cell(self, task: bytes, *, ranks: list[int] | None = None, return_all: bool = False,
                  timeout_s: float | None = None, title: str = "", quiet: bool = False) -> RunResult:
         """Run a captured cell (or function) on the pool's ranks (`ranks`: some of them)."""
+        with self._lock:
+            return self._run_cell(task, ranks, return_all, timeout_s, title, quiet)
+
+    def _run_cell(self, task: bytes, ranks: list[int] | None, return_all: bool,
+                  timeout_s: float | None, title: str, quiet: bool) -> RunResult:
         self.check_usable()
         selected = sorted(set(range(self.np) if ranks is None else ranks))
         if not selected or not all(0 <= rank < self.np for rank in selected):
@@ -271,7 +311,12 @@ class Pool:
         remember_run(record)  # `last_run()` is the last cell
         display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
                                title=title or f"pool cell {self.cells}", timeline_path=timeline)
-        watcher = RunWatcher(record, display, timeline)
+        # The liveness judged between cells goes on (a host silent since before the cell is
+        # judged in it); the cause of ranks that only lost a peer is awaited (a Spark host
+        # cut off: its ranks' peers time out about when its tasks are judged silent).
+        watcher = RunWatcher(record, display, timeline,
+                             describe_lost=getattr(self.launcher, "describe_lost", None),
+                             liveness=self._liveness, await_cause=True)
         for rank in range(self.np):
             if rank in selected:
                 watcher.handle(RankStarted(rank, self.hosts[rank], self.pids[rank]))
@@ -316,6 +361,9 @@ class Pool:
 
     def _finish_cell(self, events: "CellEvents", watcher: RunWatcher, selected: list[int]) -> None:
         """Wait until every rank of the cell ended it (or was lost), at most `STOP_GRACE_S`."""
+        for record in watcher.record.ranks:  # judged lost in the cell (its host fell silent)
+            if record.failure is not None and record.failure.kind in LOST:
+                self.note_lost(record.rank, record.reason or record.failure.reason)
         watcher.drain(events)
         deadline = time.monotonic() + STOP_GRACE_S
         while not all(rank in events.ended or rank in self._gone for rank in selected):
@@ -337,9 +385,7 @@ class Pool:
 
     def _after_cell(self) -> None:
         if self._gone:
-            rank, how = sorted(self._gone.items())[0]
-            where = f"rank {rank} ({self.hosts[rank]})" if self.hosts[rank] else f"rank {rank}"
-            self._break(f"{where} was lost ({how}) in cell {self.cells}")
+            self._break(self._describe_gone(f"in cell {self.cells}"))
             return
         if self.state is PoolState.BROKEN:
             return
@@ -372,6 +418,8 @@ class Pool:
             match event:
                 case RankStarted(rank, host, pid):
                     self.hosts[rank], self.pids[rank] = host, pid
+                case RankProcessState(rank, state, periodic):
+                    self._liveness.reported(rank, ProcessState(state), time.monotonic(), periodic)
                 case RankOutput(rank, _, text) if CELL_END_MARK not in text:
                     lines[rank].append(text)
                     self._log(rank, text)
@@ -399,14 +447,31 @@ class Pool:
                 break
             match event:
                 case ProcessExited(rank, returncode):
+                    self._liveness.forget(rank)
                     self.note_lost(rank, describe_exit(returncode), exited=True)
                 case RankFailed(rank, _, kind, _, reason) if kind in LOST:
                     self.note_lost(rank, reason)
+                case RankProcessState(rank, state, periodic) if rank not in self._gone:
+                    self._liveness.reported(rank, ProcessState(state), time.monotonic(), periodic)
                 case RankOutput(rank, _, text) if CELL_END_MARK not in text:
                     self._log(rank, text)
+        timeout = self._liveness.peer_timeout_s
+        for rank, _ in self._liveness.verdicts(time.monotonic(), stopped_too=False):
+            self.note_lost(rank, f"{self.hosts[rank] or 'its host'} stopped answering: no word "
+                                 f"from the Spark task that runs it for {timeout:g} s")
         if self._gone:
-            rank, how = sorted(self._gone.items())[0]
-            self._break(f"rank {rank} ({self.hosts[rank]}) was lost ({how}) while the pool was idle")
+            self._break(self._describe_gone("while the pool was idle"))
+
+    def _describe_gone(self, when: str) -> str:
+        """'ranks 1 and 3 (host-b) were lost (host-b stopped answering ...) while the pool
+        was idle': the lost ranks by host, each host's with its first rank's reason."""
+        by_host: dict[str, list[int]] = {}
+        for rank in sorted(self._gone):
+            by_host.setdefault(self.hosts[rank], []).append(rank)
+        return "; ".join(
+            f"{describe_ranks(ranks)}{f' ({host})' if host else ''} "
+            f"{'was' if len(ranks) == 1 else 'were'} lost ({self._gone[ranks[0]]}) {when}"
+            for host, ranks in by_host.items())
 
     def _break(self, reason: str) -> None:
         """A rank was lost: stop the others now, and say so at the next cell."""
@@ -453,6 +518,10 @@ class Pool:
 
     def pull(self, name: str, rank: int = 0, all_ranks: bool = False) -> Any:
         """The value of `name` on `rank` (or the list of every rank's, `all_ranks`)."""
+        with self._lock:
+            return self._pull(name, rank, all_ranks)
+
+    def _pull(self, name: str, rank: int, all_ranks: bool) -> Any:
         self.check_usable()
         self._absorb_between_cells()
         self.check_usable()
@@ -472,12 +541,15 @@ class Pool:
 
     def status(self) -> list[RankInfo]:
         """Every rank's state (idle, running, gone), host, pid, memory and uptime."""
-        if self.state is PoolState.READY:
-            self._absorb_between_cells()
+        if self.state is PoolState.READY:  # (while a cell runs, its watcher reads the events)
+            with self._lock:
+                if self.state is PoolState.READY:
+                    self._absorb_between_cells()
         live = [r for r in range(self.np) if r not in self._gone]
         replies: dict[int, ProbeReply] = {}
-        if self._server is not None and live:
-            replies = self._server.ask(live, Probe, PROBE_TIMEOUT_S)
+        server = self._server  # (None once the watch between cells broke the pool)
+        if server is not None and live:
+            replies = server.ask(live, Probe, PROBE_TIMEOUT_S)
         infos = []
         for rank in range(self.np):
             gone = rank in self._gone or self.state in (PoolState.BROKEN, PoolState.STOPPED)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .attribution import LAST_WORDS_TIMEOUT_S, describe_exit
+from .attribution import FAILURE_SETTLE_S, LAST_WORDS_TIMEOUT_S, describe_exit
 from .control import ControlServer
 from .events import FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput
 from ..wire.channel import ABORTED_EXIT_CODE, Channel
@@ -114,7 +114,9 @@ class CellEvents:
     A rank's `CellEnded` for this cell becomes `RankFinished` or `RankFailed` once the marks
     that close its output on both streams came (or `OUTPUT_MARKS_TIMEOUT_S` passed), so the
     cell's last lines are its own; a `CellEnded` for another cell is taken in and dropped. A
-    lost rank's failure waits for its process's exit status (its last words come first).
+    lost rank's failure waits for its process's exit status (its last words come first);
+    ranks lost together (a host's executor killed: no exit status comes for any) are let go
+    together, so that the watcher, which settles on the first, names them all.
     """
 
     def __init__(self, pool: "Pool", epoch: int, ranks: list[int]):
@@ -153,8 +155,12 @@ class CellEvents:
 
     def _release_due(self) -> None:
         now = time.monotonic()
+        lost_due = [release_by for event, release_by in self._held.values()
+                    if isinstance(event, RankFailed) and release_by <= now]
+        with_them = max(lost_due) + FAILURE_SETTLE_S if lost_due else now
         for rank, (event, release_by) in list(self._held.items()):
-            if release_by <= now or (isinstance(event, CellEnded) and len(self._marks[rank]) == 2):
+            if (release_by <= now or (isinstance(event, RankFailed) and release_by <= with_them)
+                    or (isinstance(event, CellEnded) and len(self._marks[rank]) == 2)):
                 del self._held[rank]
                 self._release(rank, event)
 

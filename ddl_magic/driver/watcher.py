@@ -52,7 +52,12 @@ class RunWatcher:
 
     def __init__(self, record: RunResult, display: RunDisplay, timeline_path: str | None,
                  host_probes: HostProbes | None = None, exits_follow_output: bool = False,
-                 describe_lost: Callable[[str, list[int]], str] | None = None):
+                 describe_lost: Callable[[str, list[int]], str] | None = None,
+                 liveness: LivenessWatch | None = None, await_cause: bool = False):
+        """`liveness`: the judgement to go on with, a pool's: its ranks live on after a cell,
+        so it keeps judging them between cells (a host silent since before this cell is
+        judged in it) and a rank's end of this cell does not end it. `await_cause`: see
+        `attribution.failures_settled`."""
         self.record = record
         self._host_probes = host_probes
         self._tasks_started: set[int] = set()  # ranks whose task said it is starting them
@@ -68,7 +73,9 @@ class RunWatcher:
         self._results: dict[int, bytes | None] = {}
         self._failures: list[RankFailed] = []
         self._aborted_at_ns: int | None = None
-        self._liveness = LivenessWatch(peer_timeout_s())  # judged from the owners' reports
+        self._liveness = liveness or LivenessWatch(peer_timeout_s())  # from the owners' reports
+        self._ranks_live_on = liveness is not None
+        self._await_cause = await_cause
         self._stopping = False
         self._last_refresh = 0.0
 
@@ -81,11 +88,12 @@ class RunWatcher:
         """Handle events until every rank finished; raise RankFailedError on the first failure."""
         started = time.monotonic()
         first_failure_at = None
+        cause_in = False
         while len(self._results) < self.record.np:
             now = time.monotonic()
             if first_failure_at is not None and failures_settled(
                     self._failures, self._facts(), now - first_failure_at,
-                    self._exits_follow_output):
+                    self._exits_follow_output, self._await_cause):
                 break
             if timeout_s is not None and now - started > timeout_s:
                 self.record.status = RunStatus.TIMED_OUT
@@ -108,6 +116,11 @@ class RunWatcher:
                 first_failure_at = time.monotonic()
                 self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
                 server.abort(f"rank {self._failures[0].rank} failed")
+            if self._await_cause and not cause_in and any(
+                    f.kind is not FailureKind.LOST_PEER for f in self._failures):
+                # The moment settles from the cause, not from the lost peers that came before
+                # it: ranks lost with it (a host's, let go together) are in by then.
+                cause_in, first_failure_at = True, time.monotonic()
             self._refresh()
         if self._failures:
             self._raise_failure()
@@ -153,7 +166,7 @@ class RunWatcher:
                                        time.monotonic_ns()))
             return
         if isinstance(event, RankProcessState):
-            if not record.ranks[event.rank].ended:
+            if self._ranks_live_on or not record.ranks[event.rank].ended:
                 self._liveness.reported(event.rank, ProcessState(event.state), time.monotonic(),
                                         event.periodic)
             return
@@ -185,7 +198,8 @@ class RunWatcher:
             if rank.status is RankStatus.STARTING:
                 self._output_before_start.setdefault(event.rank, []).append(event.text)
         elif isinstance(event, RankFinished):
-            self._liveness.forget(event.rank)
+            if not self._ranks_live_on:
+                self._liveness.forget(event.rank)
             rank.apply(event)
             self._results[event.rank] = event.result
         elif isinstance(event, RankFailed):

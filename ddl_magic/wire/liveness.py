@@ -125,13 +125,16 @@ class LivenessWatch:
         """The rank has ended (or finished): nothing more to judge."""
         self._ranks.pop(rank, None)
 
-    def verdicts(self, now: float) -> list[tuple[int, Verdict]]:
-        """The ranks that are failed by now, each named once."""
+    def verdicts(self, now: float, stopped_too: bool = True) -> list[tuple[int, Verdict]]:
+        """The ranks that are failed by now, each named once. `stopped_too=False`: only those
+        whose owner fell silent (a pool between cells: a stopped rank that runs nothing harms
+        nobody, and the next cell judges it)."""
         failed = []
         for rank, seen in self._ranks.items():
             if seen.reports_periodically and now - seen.heard_at >= self._limit_s:
                 failed.append((rank, Verdict.OWNER_SILENT))
-            elif seen.stopped_since is not None and now - seen.stopped_since >= self._limit_s:
+            elif (stopped_too and seen.stopped_since is not None
+                  and now - seen.stopped_since >= self._limit_s):
                 failed.append((rank, Verdict.STOPPED))
         for rank, _ in failed:
             del self._ranks[rank]

@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 
-from ...wire.channel import Channel, PeerClosedError, recv_exactly
+from ...wire.channel import Channel, PeerClosedError, peer_timeout_s, recv_exactly
 from ..errors import PeerLostError
 from ..world import World
 
@@ -112,7 +112,12 @@ class RingTransport:
             pending._done.set()
 
     def _lost(self, rank: int, cause: BaseException) -> PeerLostError:
-        what = "timed out after %.0f s" % self.op_timeout if isinstance(cause, socket.timeout) else str(cause)
+        if isinstance(cause, socket.timeout) and cause.errno is None:  # the socket's own deadline
+            what = "timed out after %.0f s" % self.op_timeout
+        elif isinstance(cause, socket.timeout):  # ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up
+            what = f"its host stopped answering (no reply within {peer_timeout_s():g} s)"
+        else:
+            what = str(cause)
         return PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host, what)
 
     def abort(self) -> None:
