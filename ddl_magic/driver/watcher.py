@@ -22,12 +22,12 @@ import cloudpickle
 
 from .attribution import RankFacts, attribute, describe_exit, failures_settled
 from .display import RunDisplay
-from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
+from .events import (FailureKind, GroupRestarted, HostUnanswered, ProcessExited, RankFailed, RankFinished,
                      RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
                      TimelineStarted)
 from .host_probe import HostProbes
 from .records import RankRecord, RankStatus
-from .run_result import RankFailedError, RunResult, RunTimeoutError
+from .run_result import RankFailedError, RunResult, RunTimeoutError, restarts_made
 from .run_status import RunStatus, shown_end
 from ..wire.channel import ABORTED_EXIT_CODE, peer_timeout_s
 from ..wire.liveness import LivenessWatch, ProcessState, Verdict
@@ -71,6 +71,9 @@ class RunWatcher:
         self._liveness = LivenessWatch(peer_timeout_s())  # judged from the owners' reports
         self._stopping = False
         self._last_refresh = 0.0
+        # A restarted run's timeout covers its earlier groups: the time they were watched.
+        self._watched_before_s = 0.0
+        self._watch_started = 0.0
 
     def leave_out(self, rank: int) -> None:
         """The run does not wait for `rank`, which does not take part (a pool's cell run on
@@ -79,7 +82,7 @@ class RunWatcher:
 
     def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
         """Handle events until every rank finished; raise RankFailedError on the first failure."""
-        started = time.monotonic()
+        started = self._watch_started = time.monotonic()
         first_failure_at = None
         while len(self._results) < self.record.np:
             now = time.monotonic()
@@ -87,7 +90,7 @@ class RunWatcher:
                     self._failures, self._facts(), now - first_failure_at,
                     self._exits_follow_output):
                 break
-            if timeout_s is not None and now - started > timeout_s:
+            if timeout_s is not None and now - started + self._watched_before_s > timeout_s:
                 self.record.status = RunStatus.TIMED_OUT
                 raise RunTimeoutError(
                     f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
@@ -242,6 +245,29 @@ class RunWatcher:
             except queue.Empty:
                 return
 
+    def start_over(self, restart: GroupRestarted, host_probes: HostProbes) -> None:
+        """The whole group starts again (`Job` with max_restarts), after `drain`: what was
+        known of the last group is forgotten, each rank's record starts afresh, its log and
+        the trace go on, and the display shows `restart`. `host_probes` report on the new
+        group's queue."""
+        self.record.restarts.append(restart)
+        self._watched_before_s += time.monotonic() - self._watch_started
+        self._host_probes = host_probes
+        self.record.status, self.record.error = RunStatus.RUNNING, None
+        self._results.clear()
+        self._failures.clear()
+        self._aborted_at_ns = None
+        self._liveness = LivenessWatch(peer_timeout_s())
+        self._stopping = False
+        self._tasks_started.clear()
+        self._placement = []
+        self._output_before_start.clear()
+        for rank in self.record.ranks:
+            rank.start_over()
+            self._logs[rank.rank].write(f"---- ddl_magic: {restart.describe()}; the whole "
+                                        "group starts again ----\n")
+        self.display.handle(restart)
+
     def close(self, outcome: RunStatus) -> None:
         """End the run: its record, logs, trace and display. Its status is the end `watch`
         gave it, where it gave one; else `outcome`, how `Job.run` ended (interrupted, or
@@ -285,9 +311,10 @@ class RunWatcher:
             self.display.handle(failure)
         cause = verdict.cause
         self.record.status = RunStatus.FAILED
-        self.record.error = f"rank {cause.rank} failed: {cause.reason}"
+        restarts = len(self.record.restarts)
+        self.record.error = f"rank {cause.rank} failed: {cause.reason}{restarts_made(restarts)}"
         raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
-                              cause.exit_code, self.record)
+                              cause.exit_code, self.record, restarts)
 
     def _facts(self) -> list[RankFacts]:
         """What attribution reads of each rank."""
