@@ -5,12 +5,15 @@ a script that resumes from its own checkpoint finishes as if nothing had failed.
 import os
 import subprocess
 import sys
+from io import StringIO
 
 import pytest
 import torch
 
 from ddl_magic import HorovodRunner, TorchDistributor, distributed
+from ddl_magic.driver.events import FailureKind, GroupRestarted, RankFailed
 from ddl_magic.driver.run_result import RankFailedError
+from ddl_magic.driver.text_display import TextDisplay
 from ddl_magic.frontends.pool_magic import run_line
 
 # DDP over gloo that checkpoints every step (rank 0, atomically) and resumes from the
@@ -146,3 +149,27 @@ def test_every_front_end_refuses_bad_max_restarts():
         distributed(np=2, max_restarts=True)
     with pytest.raises(ValueError, match="not for a pool"):
         run_line(None, "start -np 2 --max-restarts 1", ValueError)
+
+
+RESTART = GroupRestarted(1, 3, 1, "node-b", "killed by SIGKILL", -9, 0.0)
+
+
+def test_the_text_display_prints_each_restart_and_the_new_groups_failure_in_full():
+    shown = StringIO()
+    display = TextDisplay(2, shown, error_stream=shown)
+    display.handle(RankFailed(1, "node-b", FailureKind.DIED, "", "killed by SIGKILL", -9))
+    display.handle(RESTART)
+    display.handle(RankFailed(0, "node-a", FailureKind.RAISED, "Traceback: boom", "exception"))
+    lines = shown.getvalue().splitlines()
+    assert "==== restart 1 of 3: rank 1 failed (killed by SIGKILL) ====" in lines
+    assert "==== rank 0 (node-a) failed: exception ====" in lines  # a cause, not "also stopped"
+
+
+def test_the_run_view_shows_each_restart_in_all_ranks():
+    from ddl_magic.ui import RunView
+
+    view = RunView(2, "%%horovod -np 2 --max-restarts 3", "/tmp/ddl_magic/run-7")
+    view.handle(RESTART)
+    view.refresh()
+    all_ranks = view.widget.children[3].children[0].value
+    assert "restart 1 of 3: rank 1 failed (killed by SIGKILL)" in all_ranks
