@@ -15,6 +15,7 @@ from ddl_magic.driver.events import FailureKind, GroupRestarted, RankFailed
 from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.driver.text_display import TextDisplay
 from ddl_magic.frontends.pool_magic import run_line
+from trace_files import chrome_events
 
 # DDP over gloo that checkpoints every step (rank 0, atomically) and resumes from the
 # checkpoint on a restart; rank 1 kills itself at step KILL_AT of the first attempt only.
@@ -72,10 +73,16 @@ def ddlrun(tmp_path, folder, *options, kill_at=NEVER, always="once"):
 
 
 def test_a_killed_rank_restarts_the_group_which_resumes_and_ends_as_if_never_failed(tmp_path):
-    restarted = ddlrun(tmp_path, tmp_path / "restarted", "--max-restarts", "2", kill_at="5")
+    trace = tmp_path / "trace.json"
+    restarted = ddlrun(tmp_path, tmp_path / "restarted", "--max-restarts", "2",
+                       "--timeline", str(trace), kill_at="5")
     out = restarted.stdout + restarted.stderr
     assert restarted.returncode == 0, out
     assert "==== restart 1 of 2: rank 1 failed (killed by SIGKILL) ====" in out
+    # on the timeline: a "restart" row per rank, from the failure to the new group
+    assert {(rank, name) for rank, lane, name, *_ in chrome_events(trace) if lane == "restart"} \
+        == {(0, "restart 1 of 2: rank 1 failed (killed by SIGKILL)"),
+            (1, "restart 1 of 2: rank 1 failed (killed by SIGKILL)")}
     assert "[0] attempt 0, max restarts 2" in out and "[1] attempt 1, max restarts 2" in out
     assert "[1] resumed at step" in out
     assert "restart 2 of 2" not in out

@@ -35,6 +35,9 @@ from ..wire.liveness import LivenessWatch, ProcessState, Verdict
 if TYPE_CHECKING:
     from .control import ControlServer
 
+# The timeline's row for a restart of the whole group, written by the driver (a lane the
+# ranks never record, as elastic.py's RESET_LANE).
+RESTART_LANE = "restart"
 REFRESH_INTERVAL_S = 0.1  # the display's, at most; and the longest wait for an event
 # Every rank must have connected and registered by then (a Spark stage may wait for slots).
 REGISTER_TIMEOUT_S = 120.0
@@ -251,6 +254,13 @@ class RunWatcher:
         the trace go on, and the display shows `restart`. `host_probes` report on the new
         group's queue."""
         self.record.restarts.append(restart)
+        if self._trace is not None and self._aborted_at_ns is not None:
+            # the restart, from the failure that stopped the group to the new group's start
+            start_us = self._aborted_at_ns / 1e3  # the driver's monotonic clock, as the trace's
+            event = (RESTART_LANE, restart.describe(), start_us,
+                     time.monotonic_ns() / 1e3 - start_us, None)
+            for rank in self.record.ranks:
+                self._trace.write(rank.rank, [event])
         self._watched_before_s += time.monotonic() - self._watch_started
         self._host_probes = host_probes
         self.record.status, self.record.error = RunStatus.RUNNING, None
