@@ -6,6 +6,12 @@ run's one event queue, which the control server and the launcher feed, to a `Run
 work: KeyboardInterrupt is raised in the watcher's loop, and `Job.run`'s cleanup stops every
 rank. The same cleanup runs on success, on the first failing rank, and on a timeout, so no
 process, thread, port or Spark job outlives the run.
+
+With `max_restarts` (torchrun's `--max-restarts`), a failing rank stops the whole group as
+always, and then the group starts again, at most that many times: the same record, display,
+logs and trace, a new control server and queue, each rank told its restart
+(TORCHELASTIC_RESTART_COUNT). Only a rank's failure restarts it: never an interrupt, a
+timeout (which covers every attempt) or a refused option.
 """
 
 from __future__ import annotations
