@@ -174,9 +174,28 @@ class WorldReset:
                 f"{self.resumed_from_commit}")
 
 
+@dataclass(frozen=True)
+class GroupRestarted:
+    """A run with `max_restarts` lost a rank and starts its whole group again, as torchrun
+    does: what the displays show and `RunResult.restarts` keeps, one per restart."""
+
+    restart: int  # 1 for the first restart: the new group's TORCHELASTIC_RESTART_COUNT
+    max_restarts: int
+    rank: int  # the rank whose failure ended the attempt
+    host: str
+    reason: str  # "killed by SIGKILL", "exception", ...
+    exit_code: int | None
+    at: float  # seconds since the epoch, when the new group was started
+
+    def describe(self) -> str:
+        """One line: 'restart 1 of 3: rank 1 failed (killed by SIGKILL)'."""
+        return (f"restart {self.restart} of {self.max_restarts}: rank {self.rank} failed "
+                f"({self.reason})")
+
+
 Event = (RankStarted | RankOutput | RankFinished | RankFailed | ProcessExited
          | RankProcessState | TimelineBatch | TimelineStarted | RanksPlaced | HostUnanswered
-         | ResetAsked | WorldReset)
+         | ResetAsked | WorldReset | GroupRestarted)
 
 
 def describe_ranks(ranks: list[int]) -> str:

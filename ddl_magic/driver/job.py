@@ -6,10 +6,17 @@ run's one event queue, which the control server and the launcher feed, to a `Run
 work: KeyboardInterrupt is raised in the watcher's loop, and `Job.run`'s cleanup stops every
 rank. The same cleanup runs on success, on the first failing rank, and on a timeout, so no
 process, thread, port or Spark job outlives the run.
+
+With `max_restarts` (torchrun's `--max-restarts`), a failing rank stops the whole group as
+always, and then the group starts again, at most that many times: the same record, display,
+logs and trace, a new control server and queue, each rank told its restart
+(TORCHELASTIC_RESTART_COUNT). Only a rank's failure restarts it: never an interrupt, a
+timeout (which covers every attempt) or a refused option.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import sys
@@ -24,10 +31,11 @@ from .control import ControlServer
 from .elastic import ElasticWatcher, elastic_bounds
 from .elastic_plan import ElasticBounds
 from .display import DisplayFactory, text_display
+from .events import GroupRestarted
 from .host_probe import HostProbes
 from .records import new_records
 from .run_folders import prune_run_folders
-from .run_result import RunResult
+from .run_result import RankFailedError, RunResult
 from .run_status import RunStatus
 from .tracking import finish_tracking, start_tracking, wants_tracking
 from .watcher import RunWatcher
@@ -50,6 +58,25 @@ def remember_run(record: RunResult) -> None:
     _last_run = record
 
 
+def check_max_restarts(max_restarts: int, elastic: bool) -> None:
+    """Refuse, before anything starts, a `max_restarts` that is not a count, or one given
+    with min_np/max_np (every front-end says it the same way).
+
+    >>> check_max_restarts(-1, elastic=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_restarts=-1: give how many times the whole group may be restarted after a rank fails, 0 or more (e.g. --max-restarts 3)
+    """
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: give how many times the whole group "
+                         "may be restarted after a rank fails, 0 or more (e.g. --max-restarts 3)")
+    if max_restarts and elastic:
+        raise ValueError(f"max_restarts={max_restarts} restarts the whole group, which resumes "
+                         "from your own checkpoint (torchrun's --max-restarts, for plain "
+                         "torch.distributed code); min_np/max_np keep the run going on the "
+                         "ranks that are left (hvd.elastic.run): use one or the other")
+
+
 @dataclass
 class JobOptions:
     timeout_s: float | None = None
@@ -69,6 +96,10 @@ class JobOptions:
     # rank ends the run, as always.
     min_np: int | None = None
     max_np: int | None = None
+    # Plain torch.distributed code's restarts, as torchrun's --max-restarts: a failed rank
+    # stops the whole group, which starts again (at most this many times) with
+    # TORCHELASTIC_RESTART_COUNT set, for code that resumes from its own checkpoint.
+    max_restarts: int = 0
 
     @property
     def elastic(self) -> bool:
@@ -87,6 +118,7 @@ class Job:
     def run(self) -> RunResult:
         global _last_run
         options = self.options
+        check_max_restarts(options.max_restarts, options.elastic)
         self.launcher.check(self.np)  # before anything is created: a refused run leaves no trace
         bounds = self._elastic_bounds() if options.elastic else None
         # Checked here, not first on every rank; and passed on, since Spark executors do not
@@ -125,7 +157,8 @@ class Job:
             env[RESET_LIMIT_VARIABLE] = str(bounds.reset_limit)
             env[ELASTIC_TIMEOUT_VARIABLE] = repr(bounds.wait_s)
         settings = RunSettings(run_id, env, timeline=timeline_path is not None,
-                               return_all=options.return_all, elastic=bounds is not None)
+                               return_all=options.return_all, elastic=bounds is not None,
+                               max_restarts=options.max_restarts)
         secret = new_secret()
         server = ControlServer(secret, self.np, self.task_bytes, settings, events,
                                self.launcher.bind_host, self.launcher.advertised_host)
@@ -143,8 +176,29 @@ class Job:
         outcome = RunStatus.FAILED
         try:
             display.display()
-            self.launcher.start(self.np, server.address, secret, events)
-            watcher.watch(events, server, options.timeout_s)
+            while True:
+                self.launcher.start(self.np, server.address, secret, events)
+                try:
+                    watcher.watch(events, server, options.timeout_s)
+                    break
+                except RankFailedError as failure:
+                    if len(record.restarts) >= options.max_restarts:
+                        raise
+                    restart = GroupRestarted(len(record.restarts) + 1, options.max_restarts,
+                                             failure.rank, failure.host, failure.reason,
+                                             failure.exit_code, time.time())
+                # The whole group is stopped, as after any failure, then started again. Each
+                # group has its own control server and queue: nothing the last one sends
+                # late can be taken for the new one's.
+                server.abort(f"rank {restart.rank} failed: the whole group restarts")
+                self.launcher.stop()
+                server.close()
+                watcher.drain(events)
+                events = queue.Queue()
+                watcher.start_over(restart, HostProbes(events, timeout_s=peer_timeout_s()))
+                settings = dataclasses.replace(settings, restart_count=restart.restart)
+                server = ControlServer(secret, self.np, self.task_bytes, settings, events,
+                                       self.launcher.bind_host, self.launcher.advertised_host)
             outcome = RunStatus.DONE
         except KeyboardInterrupt:
             outcome = RunStatus.INTERRUPTED

@@ -77,6 +77,12 @@ class RankRecord:
             returncode = 0
         self.exit_code = returncode
 
+    def start_over(self) -> None:
+        """The run's whole group starts again (max_restarts): this rank starts afresh; its
+        log goes on."""
+        self.host, self.pid, self.status, self.reason = "", None, RankStatus.STARTING, ""
+        self.failure, self.started_at, self.ended_at, self.exit_code = None, None, None, None
+
     def apply(self, event: Event) -> None:
         """Take in what `event` says about this rank."""
         if isinstance(event, RankStarted):

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .events import WorldReset
+from .events import GroupRestarted, WorldReset
 from .records import RankRecord
 from .run_report import run_report_html, run_report_text
 from .run_status import RunStatus
@@ -32,12 +32,22 @@ class RankFailedError(RuntimeError):
     """A rank of a ddl_magic run failed; the message holds its traceback, rank and host."""
 
     def __init__(self, rank: int, host: str, reason: str, traceback: str, exit_code: int | None,
-                 run: RunResult):
+                 run: RunResult, restarts: int = 0):
         where = f"rank {rank} ({host})" if host else f"rank {rank}"
-        super().__init__(f"{where} failed: {reason}" + (f"\n\n{traceback}" if traceback else ""))
+        super().__init__(f"{where} failed: {reason}{restarts_made(restarts)}"
+                         + (f"\n\n{traceback}" if traceback else ""))
         self.rank, self.host, self.reason, self.traceback = rank, host, reason, traceback
         self.exit_code = exit_code  # what the rank exited with (negative: killed by that signal)
         self.run = run
+        self.restarts = restarts  # how many times the whole group had been restarted before
+
+
+def restarts_made(restarts: int) -> str:
+    """What a run's last failure adds when the run had been restarted (max_restarts)."""
+    if not restarts:
+        return ""
+    return (f", after {restarts} restart{'s' if restarts != 1 else ''} of the whole group "
+            f"(max_restarts={restarts}: none left)")
 
 
 @dataclass
@@ -60,6 +70,9 @@ class RunResult:
     # An elastic run's resets, in order (`events.WorldReset`: who left and joined, from which
     # commit it resumed); None for a run that was not elastic.
     resets: list[WorldReset] | None = None
+    # A run with max_restarts: each restart of its whole group, in order, with the failure
+    # that caused it (`events.GroupRestarted`); empty when it never restarted.
+    restarts: list[GroupRestarted] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.status = RunStatus(self.status)  # also given as its word: RunResult(..., status="done")

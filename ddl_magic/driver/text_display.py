@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from .events import Event, RankFailed, RankOutput, TimelineBatch, WorldReset
+from .events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
 from .records import RankRecord, new_records
 from .run_status import SHOWN_ENDS, RunStatus
 from .tracebacks import without_machinery_frames
@@ -88,6 +88,12 @@ class TextDisplay:
         """Print what ``event`` says, if anything (progress lines may wait, see the module doc)."""
         if isinstance(event, WorldReset):  # an elastic run re-formed its world
             self._write(self._err(), f"==== elastic {event.describe()} ====")
+            self._flush()
+            return
+        if isinstance(event, GroupRestarted):  # the whole group starts again (max_restarts)
+            self._failures.clear()  # the new group's first failure is a cause again
+            self._pending_progress = [None] * self.np
+            self._write(self._err(), f"==== {event.describe()} ====")
             self._flush()
             return
         self._check_rank(event.rank)

@@ -22,12 +22,12 @@ import cloudpickle
 
 from .attribution import RankFacts, attribute, describe_exit, failures_settled
 from .display import RunDisplay
-from .events import (FailureKind, HostUnanswered, ProcessExited, RankFailed, RankFinished,
+from .events import (FailureKind, GroupRestarted, HostUnanswered, ProcessExited, RankFailed, RankFinished,
                      RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
                      TimelineStarted)
 from .host_probe import HostProbes
 from .records import RankRecord, RankStatus
-from .run_result import RankFailedError, RunResult, RunTimeoutError
+from .run_result import RankFailedError, RunResult, RunTimeoutError, restarts_made
 from .run_status import RunStatus, shown_end
 from ..wire.channel import ABORTED_EXIT_CODE, peer_timeout_s
 from ..wire.liveness import LivenessWatch, ProcessState, Verdict
@@ -35,6 +35,9 @@ from ..wire.liveness import LivenessWatch, ProcessState, Verdict
 if TYPE_CHECKING:
     from .control import ControlServer
 
+# The timeline's row for a restart of the whole group, written by the driver (a lane the
+# ranks never record, as elastic.py's RESET_LANE).
+RESTART_LANE = "restart"
 REFRESH_INTERVAL_S = 0.1  # the display's, at most; and the longest wait for an event
 # Every rank must have connected and registered by then (a Spark stage may wait for slots).
 REGISTER_TIMEOUT_S = 120.0
@@ -78,6 +81,9 @@ class RunWatcher:
         self._await_cause = await_cause
         self._stopping = False
         self._last_refresh = 0.0
+        # A restarted run's timeout covers its earlier groups: the time they were watched.
+        self._watched_before_s = 0.0
+        self._watch_started = 0.0
 
     def leave_out(self, rank: int) -> None:
         """The run does not wait for `rank`, which does not take part (a pool's cell run on
@@ -86,7 +92,7 @@ class RunWatcher:
 
     def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
         """Handle events until every rank finished; raise RankFailedError on the first failure."""
-        started = time.monotonic()
+        started = self._watch_started = time.monotonic()
         first_failure_at = None
         cause_in = False
         while len(self._results) < self.record.np:
@@ -95,7 +101,7 @@ class RunWatcher:
                     self._failures, self._facts(), now - first_failure_at,
                     self._exits_follow_output, self._await_cause):
                 break
-            if timeout_s is not None and now - started > timeout_s:
+            if timeout_s is not None and now - started + self._watched_before_s > timeout_s:
                 self.record.status = RunStatus.TIMED_OUT
                 raise RunTimeoutError(
                     f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
@@ -256,6 +262,36 @@ class RunWatcher:
             except queue.Empty:
                 return
 
+    def start_over(self, restart: GroupRestarted, host_probes: HostProbes) -> None:
+        """The whole group starts again (`Job` with max_restarts), after `drain`: what was
+        known of the last group is forgotten, each rank's record starts afresh, its log and
+        the trace go on, and the display shows `restart`. `host_probes` report on the new
+        group's queue."""
+        self.record.restarts.append(restart)
+        if self._trace is not None and self._aborted_at_ns is not None:
+            # the restart, from the failure that stopped the group to the new group's start
+            start_us = self._aborted_at_ns / 1e3  # the driver's monotonic clock, as the trace's
+            event = (RESTART_LANE, restart.describe(), start_us,
+                     time.monotonic_ns() / 1e3 - start_us, None)
+            for rank in self.record.ranks:
+                self._trace.write(rank.rank, [event])
+        self._watched_before_s += time.monotonic() - self._watch_started
+        self._host_probes = host_probes
+        self.record.status, self.record.error = RunStatus.RUNNING, None
+        self._results.clear()
+        self._failures.clear()
+        self._aborted_at_ns = None
+        self._liveness = LivenessWatch(peer_timeout_s())
+        self._stopping = False
+        self._tasks_started.clear()
+        self._placement = []
+        self._output_before_start.clear()
+        for rank in self.record.ranks:
+            rank.start_over()
+            self._logs[rank.rank].write(f"---- ddl_magic: {restart.describe()}; the whole "
+                                        "group starts again ----\n")
+        self.display.handle(restart)
+
     def close(self, outcome: RunStatus) -> None:
         """End the run: its record, logs, trace and display. Its status is the end `watch`
         gave it, where it gave one; else `outcome`, how `Job.run` ended (interrupted, or
@@ -299,9 +335,10 @@ class RunWatcher:
             self.display.handle(failure)
         cause = verdict.cause
         self.record.status = RunStatus.FAILED
-        self.record.error = f"rank {cause.rank} failed: {cause.reason}"
+        restarts = len(self.record.restarts)
+        self.record.error = f"rank {cause.rank} failed: {cause.reason}{restarts_made(restarts)}"
         raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
-                              cause.exit_code, self.record)
+                              cause.exit_code, self.record, restarts)
 
     def _facts(self) -> list[RankFacts]:
         """What attribution reads of each rank."""

@@ -26,8 +26,8 @@ import sys
 
 from .options import make_display
 from ..driver.elastic import ElasticRunError, elastic_bounds
-from ..driver.job import Job, JobOptions
-from ..driver.run_result import RankFailedError, RunTimeoutError
+from ..driver.job import Job, JobOptions, check_max_restarts
+from ..driver.run_result import RankFailedError, RunTimeoutError, restarts_made
 from ..launch.local import LocalLauncher
 from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
 
@@ -63,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
                              "left (lost ranks are replaced); the script uses hvd.elastic.run")
     parser.add_argument("--max-np", dest="max_np", type=int, metavar="N",
                         help="elastic: at most N ranks (-np at most, on this machine)")
+    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
+                        help="as torchrun's: when a rank fails, stop every rank and start the "
+                             "whole group again, at most K times; each rank's "
+                             "TORCHELASTIC_RESTART_COUNT says which restart it is, for "
+                             "scripts that resume from their own checkpoint (default 0)")
     parser.add_argument("--timeline", metavar="PATH", default=os.environ.get("HOROVOD_TIMELINE"),
                         help="write every rank's timeline to PATH (Chrome trace format); "
                              "HOROVOD_TIMELINE does the same")
@@ -159,14 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     try:
+        check_max_restarts(args.max_restarts, args.min_np is not None or args.max_np is not None)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         task = command_task(args.command)
     except ValueError as exc:
         parser.error(str(exc))
     options = JobOptions(display=make_display, timeout_s=args.timeout, timeline_path=args.timeline, env=env,
-                         title=" ".join(args.command), min_np=args.min_np, max_np=args.max_np)
+                         title=" ".join(args.command), min_np=args.min_np, max_np=args.max_np,
+                         max_restarts=args.max_restarts)
     try:
         Job(task, args.np, LocalLauncher(), options).run()
     except RankFailedError as exc:
+        if exc.restarts:  # the display showed the failure; this says the restarts ran out
+            print(f"ddlrun: rank {exc.rank} failed: {exc.reason}"
+                  f"{restarts_made(exc.restarts)}", file=sys.stderr)
         code = exc.exit_code
         return 128 - code if code is not None and code < 0 else (code or 1)
     except ElasticRunError as exc:

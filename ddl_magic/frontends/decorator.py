@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions
+from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RankFailedError, RunResult
 from ..launch import spark_session
 from .runner import make_launcher
@@ -97,7 +97,8 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
                 gpus: int | None = None, num_accelerators: int | None = None,
                 remote: bool = False, gpu_type: str | None = None, timeout: float | None = None,
                 env: dict[str, str] | None = None,
-                timeline: str | None = None) -> Callable[[Callable[..., Any]], DistributedFunction]:
+                timeline: str | None = None,
+                max_restarts: int = 0) -> Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorate a function so that `f.distributed(*args, **kwargs)` runs it on N ranks and
     returns every rank's return value, in rank order.
 
@@ -113,6 +114,9 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
       tasks on the active SparkSession (classic or Connect); refused without one.
     - `timeout` (seconds) stops every rank of a run that takes longer; `env` sets variables
       on every rank; `timeline=PATH` records every rank's timeline ('' : with the run's logs).
+    - `max_restarts=K` (torchrun's `--max-restarts`): when a rank fails, every rank is stopped
+      and the whole group starts again, at most K times, `TORCHELASTIC_RESTART_COUNT` set on
+      each rank for code that resumes from its own checkpoint.
     - `gpu_type` (Databricks' choice of serverless GPU) is refused: the ranks run on the GPUs
       of this machine or of the Spark executors.
     """
@@ -132,6 +136,7 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
             "num_accelerators=: one rank per GPU), e.g. @distributed(np=2)"
             + (f"; got {', '.join(f'{name}={value!r}' for name, value in given.items())}"
                if given else ""))
+    check_max_restarts(max_restarts, elastic=False)
     (name, count), = given.items()
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"@distributed({name}={count!r}): give a positive number of ranks, "
@@ -144,7 +149,7 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
             raise TypeError(f"{described_as} decorates a function, not a "
                             f"{type(function).__name__}")
         options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
-                             use_gpu=use_gpu, return_all=True,
+                             use_gpu=use_gpu, return_all=True, max_restarts=max_restarts,
                              title=f"{described_as}: {getattr(function, '__name__', 'function')}")
         return DistributedFunction(function, count, use_gpu, bool(remote), options,
                                    described_as)

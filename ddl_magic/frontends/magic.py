@@ -13,12 +13,12 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .options import make_display, shows_run_view
 from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
 from ..driver.elastic import elastic_bounds
-from ..driver.job import Job, JobOptions, last_run
+from ..driver.job import Job, JobOptions, check_max_restarts, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
 from .ddlrun import parse_env
-from .pool_magic import run_cell_on_pool, run_line, transform_body
+from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
 from .runner import make_launcher
 
 
@@ -49,6 +49,11 @@ class HorovodMagics(Magics):
                    "the README")
     @argument("--max-np", dest="max_np", type=int, metavar="N",
               help="elastic: at most N ranks (local runs: -np at most)")
+    @argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
+              help="as torchrun's, for plain torch.distributed code: when a rank fails, "
+                   "stop every rank and run the cell again on fresh ranks, at most K times; "
+                   "TORCHELASTIC_RESTART_COUNT says which restart it is, so code can resume "
+                   "from its own checkpoint. Not in a pool")
     @argument("--ranks", metavar="R,R",
               help="in a pool: run the cell on these ranks only (inspection, printing, "
                    "saving); collectives are refused in such a cell")
@@ -131,6 +136,8 @@ class HorovodMagics(Magics):
         if pool is not None and (args.min_np is not None or args.max_np is not None):
             raise HorovodUsageError("--min-np/--max-np are not built for a pool's cells yet: "
                                     "%horovod stop the pool to run this cell elastic")
+        if pool is not None and args.max_restarts:
+            raise HorovodUsageError(POOL_RESTARTS_REFUSED)
         if pool is not None:
             return self._on_pool(pool, args, line, cell)
         if args.np is None:
@@ -145,6 +152,10 @@ class HorovodMagics(Magics):
                 elastic_bounds(args.np, args.min_np, args.max_np)
             except ValueError as exc:
                 raise HorovodUsageError(str(exc)) from None
+        try:
+            check_max_restarts(args.max_restarts, args.min_np is not None or args.max_np is not None)
+        except ValueError as exc:
+            raise HorovodUsageError(str(exc)) from None
         if args.spark and args.local:
             raise HorovodUsageError("choose one of --spark and --local")
         if args.out is not None and not args.out.isidentifier():
@@ -167,7 +178,8 @@ class HorovodMagics(Magics):
         options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
-                             min_np=args.min_np, max_np=args.max_np)
+                             min_np=args.min_np, max_np=args.max_np,
+                             max_restarts=args.max_restarts)
         try:
             run = Job(captured.payload, args.np, launcher, options).run()
         except KeyboardInterrupt:

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     started.add_argument("--timeline", nargs="?", const="", metavar="PATH")
     started.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     started.add_argument("--gpu", action="store_true")
+    # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
+    started.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
     for name in ("stop", "status", "restart"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
@@ -77,6 +79,13 @@ def _parser() -> argparse.ArgumentParser:
 LINE_USAGE = ("%horovod start -np N [--spark | --local] [--timeline [PATH]] [--env KEY=VALUE ...] "
               "[--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
               "· %horovod restart · %horovod stop · %horovod auto [off]")
+
+
+POOL_RESTARTS_REFUSED = (
+    "--max-restarts is not for a pool: its ranks keep their state between cells, and a "
+    "failed cell is never run again behind your back (%horovod restart starts fresh ranks "
+    "when you choose). For restarts from your own checkpoint, %horovod stop the pool and run "
+    "a one-shot cell: %%horovod -np N --max-restarts K")
 
 
 def run_line(shell, line: str, usage_error):
@@ -136,6 +145,8 @@ def _the_pool(pool: Pool | None) -> Pool:
 def _start(shell, args, usage_error) -> None:
     if args.np < 1:
         raise usage_error(f"-np must be at least 1 (got {args.np}); e.g. %horovod start -np 2")
+    if args.max_restarts:
+        raise usage_error(POOL_RESTARTS_REFUSED)
     if args.spark and args.local:
         raise usage_error("choose one of --spark and --local")
     try:

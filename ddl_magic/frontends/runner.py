@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions
+from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RunResult
 from ..launch import spark_session
 from ..launch.local import LocalLauncher
@@ -53,12 +53,17 @@ class HorovodRunner:
     are left; local runs replace lost ranks, up to `np`. `last_run.resets` lists the resets.
 
         HorovodRunner(np=-4, min_np=2).run(train)
+
+    `max_restarts=K` is torchrun's `--max-restarts`, for plain torch.distributed code: when a
+    rank fails, every rank is stopped and the whole group starts again, at most K times, with
+    `TORCHELASTIC_RESTART_COUNT` set for code that resumes from its own checkpoint;
+    `last_run.restarts` lists the restarts. Not with `min_np`/`max_np`.
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
                  timeout: float | None = None, env: dict[str, str] | None = None,
                  use_gpu: bool = False, mlflow: bool | str | None = None,
-                 min_np: int | None = None, max_np: int | None = None):
+                 min_np: int | None = None, max_np: int | None = None, max_restarts: int = 0):
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
             raise ValueError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
@@ -66,11 +71,12 @@ class HorovodRunner:
         if driver_log_verbosity not in ("all", "log_callback_only"):
             raise ValueError("driver_log_verbosity must be 'all' or 'log_callback_only'")
         check_setting(mlflow)
+        check_max_restarts(max_restarts, min_np is not None or max_np is not None)
         self.num_processor = np
         self._options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                                    hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
                                    title=f"HorovodRunner(np={np})", mlflow=mlflow,
-                                   min_np=min_np, max_np=max_np)
+                                   min_np=min_np, max_np=max_np, max_restarts=max_restarts)
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:

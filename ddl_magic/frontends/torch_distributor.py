@@ -22,6 +22,13 @@ separately in the notebook; a failing rank stops the others at once and raises
 `RankFailedError` with its traceback (pyspark raises `RuntimeError` naming the command);
 `use_gpu=True` pins each rank to the GPU of its local rank and checks that there are enough
 before starting.
+
+One keyword of ours, which pyspark's constructor does not have: `max_restarts=K`, torchrun's
+`--max-restarts`. When a rank fails, every rank is stopped and the whole group starts again,
+at most K times, each rank's `TORCHELASTIC_RESTART_COUNT` saying which restart it is, so code
+that resumes from its own checkpoint goes on::
+
+    TorchDistributor(num_processes=2, local_mode=True, use_gpu=False, max_restarts=3).run(train)
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Callable
 
 from .options import make_display
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions
+from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RunResult
 from .runner import make_launcher
 from ..wire.tasks import ScriptTask
@@ -40,11 +47,14 @@ from ..wire.tasks import ScriptTask
 class TorchDistributor:
     """Runs a torch.distributed function or script on `num_processes` ranks."""
 
-    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True):
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True,
+                 *, max_restarts: int = 0):
         if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
             raise ValueError(f"TorchDistributor(num_processes={num_processes!r}): num_processes "
                              "must be a positive integer")
+        check_max_restarts(max_restarts, elastic=False)
         self.num_processes = num_processes
+        self.max_restarts = max_restarts
         self.local_mode = bool(local_mode)
         self.use_gpu = bool(use_gpu)
         self.last_run: RunResult | None = None
@@ -61,7 +71,8 @@ class TorchDistributor:
         else:
             raise TypeError("TorchDistributor.run needs a function or the path of a Python "
                             f"script, got {type(train_object).__name__}")
-        options = JobOptions(display=make_display, use_gpu=self.use_gpu, title=(
+        options = JobOptions(display=make_display, use_gpu=self.use_gpu,
+                             max_restarts=self.max_restarts, title=(
             f"TorchDistributor(num_processes={self.num_processes}, "
             f"local_mode={self.local_mode}): {title}"))
         launcher = make_launcher(spark=not self.local_mode)

@@ -173,6 +173,8 @@ class LocalLauncher:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys_path if p)  # for what ranks start
         self._start_args = (control_address, secret, env, sys_path, events)
+        # A start after `stop` is a new group (a run's restart): the last one's are all gone.
+        self._pids, self._exited, self._slot_pids = [], {}, {}
         for rank in range(np):
             self._fork(rank)
 

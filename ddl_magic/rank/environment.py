@@ -12,7 +12,7 @@ ddlrun, TorchDistributor, Spark barrier task alike — gets both, from the rende
 | `GROUP_RANK`, `NODE_RANK`, `GROUP_WORLD_SIZE` | the host's index (hosts ordered by their lowest rank), the number of hosts |
 | `ROLE_RANK`, `ROLE_WORLD_SIZE`, `ROLE_NAME` | as `RANK`, `WORLD_SIZE`; `default` |
 | `MASTER_ADDR`, `MASTER_PORT` | rank 0's address and a port kept free for torch's store |
-| `TORCHELASTIC_RUN_ID`, `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS` | the run's id, 0, 0 |
+| `TORCHELASTIC_RUN_ID`, `TORCHELASTIC_RESTART_COUNT`, `TORCHELASTIC_MAX_RESTARTS` | the run's id; how many times the whole group was restarted, and may be (`max_restarts`: 0, 0 without) |
 | `HOROVOD_RANK`, `HOROVOD_SIZE`, `HOROVOD_LOCAL_RANK`, `HOROVOD_LOCAL_SIZE`, `HOROVOD_CROSS_RANK`, `HOROVOD_CROSS_SIZE`, `HOROVOD_HOSTNAME` | Horovod's names for the same |
 
 One difference from torchrun: on Spark the ranks of one host need not be consecutive (Spark
@@ -26,7 +26,8 @@ import socket
 from ..runtime.world import World
 
 
-def rank_environment(world: World, torch_master: tuple[str, int], run_id: str) -> dict[str, str]:
+def rank_environment(world: World, torch_master: tuple[str, int], run_id: str,
+                     restart_count: int = 0, max_restarts: int = 0) -> dict[str, str]:
     """The variables above, for `world`'s rank.
 
     >>> from .runtime.world import Peer, derive_world
@@ -44,8 +45,8 @@ def rank_environment(world: World, torch_master: tuple[str, int], run_id: str) -
         "GROUP_WORLD_SIZE": len(hosts),
         "ROLE_RANK": world.rank, "ROLE_WORLD_SIZE": world.size, "ROLE_NAME": "default",
         "MASTER_ADDR": torch_master[0], "MASTER_PORT": torch_master[1],
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0,
-        "TORCHELASTIC_MAX_RESTARTS": 0,
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": max_restarts,
         "HOROVOD_RANK": world.rank, "HOROVOD_SIZE": world.size,
         "HOROVOD_LOCAL_RANK": world.local_rank, "HOROVOD_LOCAL_SIZE": world.local_size,
         "HOROVOD_CROSS_RANK": world.cross_rank, "HOROVOD_CROSS_SIZE": world.cross_size,

@@ -109,7 +109,8 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
         case other:
             raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
     os.environ.update(settings.env)
-    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id))
+    os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id,
+                                       settings.restart_count, settings.max_restarts))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
     plans: queue.Queue = queue.Queue()  # what the driver answers an elastic rank's reset
     if settings.elastic:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from ..driver.events import Event, RankFailed, RankOutput, TimelineBatch, WorldReset
+from ..driver.events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
 from ..driver.records import RankRecord, RankStatus, new_records
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
@@ -190,6 +190,11 @@ class RunView:
         if isinstance(event, WorldReset):  # an elastic run re-formed its world: a line for all
             self._all.append(LogLine("elastic", event.describe()))
             self._all_changed = True
+            return
+        if isinstance(event, GroupRestarted):  # the whole group starts again: a line for all
+            self._all.append(LogLine("restart", event.describe()))
+            self._all_changed = True
+            self._failures.clear()
             return
         rank = self._rank(event.rank)
         if self._keeps_records:

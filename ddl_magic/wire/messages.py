@@ -79,6 +79,10 @@ class RunSettings:
     return_all: bool  # every rank sends back its task's return value, not only rank 0
     pool: bool = False  # no task: the rank serves a pool's cells until stopped (`rank/cells.py`)
     elastic: bool = False  # a lost rank resets the world instead of ending the run
+    # A run with max_restarts: this group's restart (0: the first attempt) and the most there
+    # may be; each rank's TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS.
+    restart_count: int = 0
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
