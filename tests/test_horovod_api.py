@@ -295,14 +295,21 @@ def check_failed_calls_leave_nothing_behind(hvd):
 def check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count(hvd):
     """The last rank makes one unnamed allreduce more than the others: its first one meets
     their next one, with another shape. Then every rank shuts down and inits again."""
-    from ddl_magic.runtime.errors import CollectiveMismatchError
+    from ddl_magic.runtime.errors import CollectiveMismatchError, HorovodInternalError
 
     rank, size = hvd.rank(), hvd.size()
     if size == 1:
         return []
     failures = []
     extra = hvd.allreduce_async(torch.ones(1)) if rank == size - 1 else None  # this rank only
-    mine = hvd.allreduce_async(torch.ones(2))
+    try:
+        mine = hvd.allreduce_async(torch.ones(2))
+    except HorovodInternalError:
+        # The last rank, slower than the others under load: they met its `extra`, got the
+        # mismatch and shut down before it submitted this call, which then finds rank 0 gone.
+        if extra is None:
+            raise
+        mine = None
     try:
         hvd.synchronize(mine if extra is None else extra)
         failures.append("no error for diverged unnamed calls")
