@@ -10,16 +10,13 @@ import itertools
 import queue
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .attribution import FAILURE_SETTLE_S, LAST_WORDS_TIMEOUT_S, describe_exit
 from .control import ControlServer
 from .events import FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput
 from ..wire.channel import ABORTED_EXIT_CODE, Channel
 from ..wire.messages import CELL_END_MARK, CancelCell, CellEnded, Failed, Finished, ProbeReply, Pulled
-
-if TYPE_CHECKING:
-    from .pool import Pool
 
 # How long a cell's end waits for the marks that close each rank's output.
 OUTPUT_MARKS_TIMEOUT_S = 2.0
@@ -108,6 +105,17 @@ class PoolServer(ControlServer):
         super()._connection_ended(rank, timed_out, channel)
 
 
+class CellsPool(Protocol):
+    """What one cell's events need of their pool (`pool.Pool`)."""
+
+    hosts: list[str]
+    _events: queue.Queue
+
+    def note_cell_ended(self, rank: int, message: CellEnded) -> None: ...
+
+    def note_lost(self, rank: int, how: str, exited: bool = False) -> None: ...
+
+
 class CellEvents:
     """The pool's event queue as one cell's watcher sees it (`get`, `get_nowait`).
 
@@ -119,7 +127,7 @@ class CellEvents:
     together, so that the watcher, which settles on the first, names them all.
     """
 
-    def __init__(self, pool: "Pool", epoch: int, ranks: list[int]):
+    def __init__(self, pool: CellsPool, epoch: int, ranks: list[int]):
         self._pool = pool
         self._source = pool._events
         self.epoch = epoch

@@ -188,7 +188,7 @@ class HorovodMagics(Magics):
                     if record is not None and record.status is RunStatus.INTERRUPTED else "")
             raise CellInterrupted(f"the cell was interrupted and every rank stopped{logs}") from None
         if run.timeline_path and not shows_run_view():  # the run view draws it in its own figure
-            from .. import show_timeline
+            from ..ui.show_timeline import show_timeline  # plotly loads only when shown
 
             show_timeline(run)
         value = run.results if args.all_ranks else run.result
