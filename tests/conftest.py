@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from two_host_cluster import TwoHostCluster, Unavailable
+
 pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
 
 
@@ -54,6 +56,20 @@ _FACTORY_COMMAND = "from ddl_magic.rank.factory import serve"
 # own per-process helpers (multiprocessing's resource tracker and forkserver).
 _MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark",
                        "multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A two-host Spark standalone cluster for the module's tests (`two_host_cluster.py`),
+    removed with everything it created when they end; skips where it cannot be built."""
+    try:
+        cluster = TwoHostCluster().start()
+    except Unavailable as why:
+        pytest.skip(str(why))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -26,23 +26,10 @@ from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.wire.tasks import FunctionTask
 from spark_sessions import no_spark_job_active, sent_by_value
 from test_spark_launcher import process_alive, wait_until
-from two_host_cluster import TwoHostCluster, Unavailable
 
 NP = 4
 RUN_TIMEOUT_S = 120
 PEER_TIMEOUT_S = 4  # DDL_MAGIC_PEER_TIMEOUT for the cut-link test: its deadline is this plus slack
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    try:
-        cluster = TwoHostCluster().start()
-    except Unavailable as why:
-        pytest.skip(str(why))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE
 from spark_sessions import no_spark_job_active
 from test_spark_launcher import process_alive, wait_until
-from two_host_cluster import TwoHostCluster, Unavailable
 
 NP = 4
 PEER_TIMEOUT_S = 4
@@ -33,18 +32,6 @@ SUM = "hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item()"
 # Allreduces until stopped; each rank first says, on a line of its own, that it is in the loop.
 ALLREDUCE_FOR_EVER = ("print(f'LOOPING on {socket.gethostname()} at {time.time()}', flush=True)\n"
                       "while True:\n    " + SUM + "\n")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    try:
-        cluster = TwoHostCluster().start()
-    except Unavailable as why:
-        pytest.skip(str(why))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
