@@ -34,21 +34,10 @@ PEER_TIMEOUT_S = 4  # DDL_MAGIC_PEER_TIMEOUT for the cut-link test: its deadline
 
 @pytest.fixture(scope="module")
 def spark(cluster):
-    from pyspark.sql import SparkSession
-
     with pytest.MonkeyPatch.context() as patch, sent_by_value(sys.modules[__name__]):
         patch.setenv("PYSPARK_PYTHON", sys.executable)
         patch.setenv("SPARK_LOCAL_IP", cluster.driver_address)
-        session = (SparkSession.builder.master(cluster.master_url).appName("ddl_magic two hosts")
-                   .config("spark.driver.host", cluster.driver_address)
-                   .config("spark.driver.bindAddress", cluster.driver_address)
-                   .config("spark.executor.memory", "1g")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.ui.showConsoleProgress", "false")
-                   .getOrCreate())
-        session.sparkContext.setLogLevel("ERROR")
-        # Executors register after the session starts; until both have, a run is refused.
-        assert wait_until(lambda: session.sparkContext.defaultParallelism >= NP, timeout_s=90)
+        session = cluster.spark_session("ddl_magic two hosts", NP)
         yield session
         session.stop()
 

@@ -36,22 +36,12 @@ ALLREDUCE_FOR_EVER = ("print(f'LOOPING on {socket.gethostname()} at {time.time()
 
 @pytest.fixture(scope="module")
 def spark(cluster):
-    from pyspark.sql import SparkSession
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYSPARK_PYTHON", __import__("sys").executable)
         patch.setenv("SPARK_LOCAL_IP", cluster.driver_address)
         # The driver's and the ranks' (the pool passes it on): a lost host is judged in seconds.
         patch.setenv(PEER_TIMEOUT_VARIABLE, str(PEER_TIMEOUT_S))
-        session = (SparkSession.builder.master(cluster.master_url).appName("ddl_magic pool, two hosts")
-                   .config("spark.driver.host", cluster.driver_address)
-                   .config("spark.driver.bindAddress", cluster.driver_address)
-                   .config("spark.executor.memory", "1g")
-                   .config("spark.ui.enabled", "false")
-                   .config("spark.ui.showConsoleProgress", "false")
-                   .getOrCreate())
-        session.sparkContext.setLogLevel("ERROR")
-        assert wait_until(lambda: session.sparkContext.defaultParallelism >= NP, timeout_s=90)
+        session = cluster.spark_session("ddl_magic pool, two hosts", NP)
         yield session
         session.stop()
 

@@ -137,6 +137,29 @@ class TwoHostCluster:
         environment.pop("SPARK_REMOTE", None)
         return environment
 
+    def spark_session(self, app_name: str, slots: int):
+        """A SparkSession of this process on the cluster, once executors with `slots` task slots
+        in all have registered (until then a barrier stage of that size is refused). The
+        caller sets PYSPARK_PYTHON and SPARK_LOCAL_IP (= `driver_address`) and stops it."""
+        from pyspark.sql import SparkSession
+
+        session = (SparkSession.builder.master(self.master_url).appName(app_name)
+                   .config("spark.driver.host", self.driver_address)
+                   .config("spark.driver.bindAddress", self.driver_address)
+                   .config("spark.executor.memory", "1g")
+                   .config("spark.ui.enabled", "false")
+                   .config("spark.ui.showConsoleProgress", "false")
+                   .getOrCreate())
+        session.sparkContext.setLogLevel("ERROR")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while session.sparkContext.defaultParallelism < slots:
+            if time.monotonic() > deadline:
+                session.stop()
+                raise TimeoutError(f"executors with {slots} slots did not register within "
+                                   f"{START_TIMEOUT_S:.0f} s: see {self.directory}")
+            time.sleep(0.2)
+        return session
+
     # ---- faults -----------------------------------------------------------------------------
 
     def cut_link(self, host: Host) -> None:
