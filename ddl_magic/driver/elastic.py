@@ -26,14 +26,13 @@ The phases of a reset, one flat loop with a branch per phase (`Phase`), each wai
 from __future__ import annotations
 
 import enum
-import os
 import queue
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
 from .attribution import describe_exit
-from .elastic_plan import (DEFAULT_BLACKLIST_AFTER, ElasticBounds, ResetRound, WorldChoice,
+from .elastic_plan import (ElasticBounds, ResetRound, WorldChoice,
                            blacklisted_hosts, choose_next_world, over_reset_limit, too_few_ranks)
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankStarted,
                      ResetAsked, WorldReset)
@@ -42,13 +41,13 @@ from .run_result import RunTimeoutError
 from .run_status import RunStatus
 from .watcher import REFRESH_INTERVAL_S, REGISTER_TIMEOUT_S, RunWatcher
 from ..wire.channel import peer_timeout_s
-from ..wire.elastic_settings import REPLACEMENT_START_S, elastic_timeout_s, reset_limit
+from ..wire.elastic_settings import (REPLACEMENT_START_S, blacklist_after, elastic_timeout_s,
+                                     reset_limit)
 from ..wire.messages import NextWorld, RunCannotGoOn
 
 if TYPE_CHECKING:
     from .control import ControlServer
 
-BLACKLIST_AFTER_VARIABLE = "DDL_MAGIC_ELASTIC_BLACKLIST_AFTER"
 # The timeline's row for resets, written by the driver (a lane the ranks never record, so
 # not in `timeline/lanes.py`'s table: its row comes after theirs).
 RESET_LANE = "elastic reset"
@@ -73,11 +72,7 @@ def elastic_bounds(np: int, min_np: int | None, max_np: int | None) -> ElasticBo
     if not 1 <= low <= np <= high:
         raise ValueError(f"elastic run: need 1 <= min_np <= np <= max_np, got min_np={low}, "
                          f"np={np}, max_np={high}: e.g. -np 4 --min-np 2 --max-np 4")
-    text = os.environ.get(BLACKLIST_AFTER_VARIABLE, str(DEFAULT_BLACKLIST_AFTER))
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{BLACKLIST_AFTER_VARIABLE}={text!r}: expected a number of failures, "
-                         f"1 or more (default {DEFAULT_BLACKLIST_AFTER})")
-    return ElasticBounds(low, high, reset_limit(), elastic_timeout_s(), int(text))
+    return ElasticBounds(low, high, reset_limit(), elastic_timeout_s(), blacklist_after())
 
 
 class Phase(enum.Enum):

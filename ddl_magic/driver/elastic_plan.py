@@ -40,7 +40,6 @@ class ElasticBounds:
 # A host whose ranks failed this many times gets no replacement rank: on a machine where ranks
 # keep dying (out of memory, a bad GPU) a fresh one would die too. Horovod blacklists at the
 # first failure; one lost rank on spot capacity is common enough to forgive twice.
-DEFAULT_BLACKLIST_AFTER = 3
 
 
 @dataclass

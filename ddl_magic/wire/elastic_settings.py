@@ -8,6 +8,8 @@
 - `DDL_MAGIC_ELASTIC_RESET_LIMIT`: how many resets a run may have (default 10); the next
   failure ends it. Horovod's `--reset-limit` is unlimited by default: a bounded one means a
   failure that repeats at every attempt cannot restart forever.
+- `DDL_MAGIC_ELASTIC_BLACKLIST_AFTER`: after that many lost ranks on a host (default 3), no
+  replacement is started there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ HOROVOD_ELASTIC_TIMEOUT_VARIABLE = "HOROVOD_ELASTIC_TIMEOUT"
 DEFAULT_ELASTIC_TIMEOUT_S = 60.0
 RESET_LIMIT_VARIABLE = "DDL_MAGIC_ELASTIC_RESET_LIMIT"
 DEFAULT_RESET_LIMIT = 10
+BLACKLIST_AFTER_VARIABLE = "DDL_MAGIC_ELASTIC_BLACKLIST_AFTER"
+DEFAULT_BLACKLIST_AFTER = 3
 # How long a replacement rank may take from its fork to its registration with the driver.
 REPLACEMENT_START_S = 30.0
 
@@ -30,24 +34,36 @@ def elastic_timeout_s() -> float:
     text = os.environ.get(name, "").strip()
     if not text:
         return DEFAULT_ELASTIC_TIMEOUT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if seconds < 0:
-        raise ValueError(f"{name}={text!r}: expected a number of seconds, 0 or more "
-                         f"(default {DEFAULT_ELASTIC_TIMEOUT_S:g})")
-    return seconds
+    return _checked(name, text, float, 0, "a number of seconds", DEFAULT_ELASTIC_TIMEOUT_S)
 
 
 def reset_limit() -> int:
     """How many resets a run may have (the module doc says where it comes from)."""
     text = os.environ.get(RESET_LIMIT_VARIABLE, str(DEFAULT_RESET_LIMIT))
+    return _checked(RESET_LIMIT_VARIABLE, text, int, 0, "a whole number of resets",
+                    DEFAULT_RESET_LIMIT)
+
+
+def blacklist_after() -> int:
+    """How many lost ranks on a host put it out of the run (the module doc says more)."""
+    text = os.environ.get(BLACKLIST_AFTER_VARIABLE, str(DEFAULT_BLACKLIST_AFTER))
+    return _checked(BLACKLIST_AFTER_VARIABLE, text, _digits, 1, "a number of failures",
+                    DEFAULT_BLACKLIST_AFTER)
+
+
+def _checked(name: str, text: str, parse, least: float, what: str, default: float):
+    """`text`, the value of the variable `name`, read with `parse` and at least `least`; one
+    that does not parse, or is lower, is refused with a message saying what to give."""
     try:
-        limit = int(text)
+        value = parse(text)
     except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{RESET_LIMIT_VARIABLE}={text!r}: expected a whole number of "
-                         f"resets, 0 or more (default {DEFAULT_RESET_LIMIT})")
-    return limit
+        value = None
+    if value is None or value < least:
+        raise ValueError(f"{name}={text!r}: expected {what}, {least:g} or more (default {default:g})")
+    return value
+
+
+def _digits(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(text)
+    return int(text)
