@@ -3,6 +3,7 @@
 from pathlib import Path
 
 CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST_IMPORTS = Path(__file__).with_name("two_host_cluster.py")  # the conftest's `cluster` fixture
 
 LEAKY_TEST = """
 import subprocess, sys
@@ -18,6 +19,7 @@ def test_a_test_that_leaks_a_process_errors_and_the_process_is_killed(pytester, 
 
     monkeypatch.setenv("DDL_MAGIC_TEST_LEFTOVER_GRACE_S", "0.5")
     pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(two_host_cluster=CONFTEST_IMPORTS.read_text())
     pytester.makepyfile(test_leaky=LEAKY_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
     result.assert_outcomes(passed=1, errors=1)
