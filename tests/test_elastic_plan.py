@@ -40,23 +40,43 @@ def test_members_that_neither_ask_nor_are_lost_are_hung_after_the_ask_timeout():
 
 
 def test_survivors_keep_their_order_so_rank_0_is_the_oldest_and_replacements_come_last():
-    choice = choose_next_world([1, 3], [0, 2], ONE_HOST, Counter(), BOUNDS)
-    assert choice.members == (1, 3, 0, 2) and choice.replacements == (0, 2)
+    choice = choose_next_world([1, 3], [], [0, 2], ONE_HOST, Counter(), BOUNDS)
+    assert choice.members == (1, 3, 0, 2) and choice.start == choice.newcomers == (0, 2)
     assert choice.short_by == 0 and choice.retired == ()
+
+
+def test_replacements_that_join_later_are_started_but_the_world_forms_without_them():
+    choice = choose_next_world([3, 1], [], [0, 2], ONE_HOST, Counter(), BOUNDS, join_later=True)
+    assert choice.members == (3, 1) and choice.start == (0, 2) and choice.newcomers == ()
+    assert choice.short_by == 0
+
+
+def test_ready_replacements_join_after_the_survivors_and_fill_room_first():
+    choice = choose_next_world([3], [0], [1, 2], ONE_HOST, Counter(), BOUNDS, join_later=True)
+    assert choice.members == (3, 0) and choice.newcomers == (0,) and choice.start == (1, 2)
+    bounds = ElasticBounds(min_np=1, max_np=2, reset_limit=3, wait_s=1.0, blacklist_after=2)
+    choice = choose_next_world([3], [0, 2], [1], ONE_HOST, Counter(), bounds, join_later=True)
+    assert choice.members == (3, 0) and choice.start == ()
+
+
+def test_below_min_np_the_ready_replacements_count_and_the_started_ones_do_not():
+    bounds = ElasticBounds(min_np=3, max_np=4, reset_limit=3, wait_s=1.0, blacklist_after=2)
+    choice = choose_next_world([0], [1], [2, 3], ONE_HOST, Counter(), bounds, join_later=True)
+    assert choice.members == (0, 1) and choice.short_by == 1
 
 
 def test_no_replacement_starts_on_a_blacklisted_host_and_the_world_may_be_short():
     hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
-    choice = choose_next_world([0], [1, 2, 3], hosts, Counter(b=2), BOUNDS)
+    choice = choose_next_world([0], [], [1, 2, 3], hosts, Counter(b=2), BOUNDS)
     assert choice.members == (0, 1) and choice.short_by == 0
-    choice = choose_next_world([2], [0, 1, 3], hosts, Counter(a=2, b=2), BOUNDS)
+    choice = choose_next_world([2], [], [0, 1, 3], hosts, Counter(a=2, b=2), BOUNDS)
     assert choice.members == (2,) and choice.short_by == 1
 
 
 def test_survivors_above_max_np_are_retired():
     bounds = ElasticBounds(min_np=1, max_np=2, reset_limit=3, wait_s=1.0, blacklist_after=2)
-    choice = choose_next_world([0, 1, 2], [3], ONE_HOST, Counter(), bounds)
-    assert choice.members == (0, 1) and choice.retired == (2,) and choice.replacements == ()
+    choice = choose_next_world([0, 1, 2], [], [3], ONE_HOST, Counter(), bounds)
+    assert choice.members == (0, 1) and choice.retired == (2,) and choice.start == ()
 
 
 def test_the_reset_limit_and_too_few_ranks_say_what_happened_and_what_to_do():

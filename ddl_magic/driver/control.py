@@ -234,9 +234,10 @@ class ControlServer:
             while True:
                 match channel.recv():
                     case TaskStarted(rank, executors) if 0 <= rank < self.np and isinstance(
-                            executors, list) and len(executors) == self.np and all(
+                            executors, list) and len(executors) in (0, self.np) and all(
                             isinstance(executor, str) for executor in executors):
-                        self.events.put(RanksPlaced(rank, executors))
+                        if executors:  # an elastic rank's task knows no other: none
+                            self.events.put(RanksPlaced(rank, executors))
                     case TaskAlive(rank, state) if 0 <= rank < self.np and state in _PROCESS_STATES:
                         self.events.put(RankProcessState(rank, state, periodic=True))
                     case TaskOutput(rank, stream, lines) if 0 <= rank < self.np:

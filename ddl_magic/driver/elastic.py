@@ -21,6 +21,13 @@ The phases of a reset, one flat loop with a branch per phase (`Phase`), each wai
                        └──► STARTING  replacements forked from the rank factory, until each
                                       registered (REPLACEMENT_START_S at most)
     STARTING ── all registered ──► RUNNING  every member sent its place in the new world
+
+Replacements that join later. A local replacement is a fork, ready in a moment, so the world
+waits for it. A Spark replacement is a task that waits for a free slot, which may not come
+until a lost host returns: its launcher says `replacements_join_later`, and the world forms
+at once without it (WAITING while that is below min_np). Once it registers, the driver sends
+the world's ranks a host-update notice (`HostsUpdated`); at their next `commit()` they raise
+`HostsUpdatedInterrupt` and ask for the next world, which it joins, nothing rolled back.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from .watcher import REFRESH_INTERVAL_S, REGISTER_TIMEOUT_S, RunWatcher
 from ..wire.channel import peer_timeout_s
 from ..wire.elastic_settings import (REPLACEMENT_START_S, blacklist_after, elastic_timeout_s,
                                      reset_limit)
-from ..wire.messages import NextWorld, RunCannotGoOn
+from ..wire.messages import HostsUpdated, NextWorld, RunCannotGoOn
 
 if TYPE_CHECKING:
     from .control import ControlServer
@@ -99,6 +106,10 @@ class ElasticWatcher(RunWatcher):
         self._choice: WorldChoice | None = None
         self._phase_since = 0.0
         self._starting: set[int] = set()  # replacements not registered yet
+        # Registered replacements waiting for the next world (launchers whose replacements
+        # join later), in the order they came.
+        self._join_later = getattr(launcher, "replacements_join_later", False)
+        self._ready: list[int] = []
         self._exit_pending: set[int] = set()  # slots whose lost process's exit is still queued
         self._vanished: set[int] = set()  # lost by a closed connection, exit status not known yet
         self._host_failures: Counter = Counter()
@@ -129,6 +140,9 @@ class ElasticWatcher(RunWatcher):
             self._take_failures()
             self._advance(time.monotonic())
             self._refresh()
+        for slot in [*self._ready, *self._starting]:  # their tasks end with the run's
+            record = self.record.ranks[slot]
+            record.status, record.reason = RankStatus.STOPPED, "the run ended before it joined"
         self._results = {rank: self._results[slot] for rank, slot in enumerate(self._world)}
         self._collect_results()
         self.record.status = RunStatus.DONE
@@ -140,6 +154,10 @@ class ElasticWatcher(RunWatcher):
         if isinstance(event, RankStarted) and self.record.ranks[event.rank].ended:
             self._restart_record(event.rank)
             self._starting.discard(event.rank)  # registered: it waits for its place
+            if self._join_later:
+                self._ready.append(event.rank)
+                if self._phase is Phase.RUNNING:
+                    self._announce_joiners()
         if isinstance(event, RankFinished) and event.rank not in self._world:
             self.record.ranks[event.rank].apply(event)  # retired: its part is over
             return
@@ -147,8 +165,12 @@ class ElasticWatcher(RunWatcher):
             # It returned before it saw the world end: it left the ring, and will not ask.
             self._round.lose(event.rank, "it had returned before the reset")
         if isinstance(event, ProcessExited):
-            if event.rank in self._starting and event.rank not in self._exit_pending:
-                self._starting.discard(event.rank)  # the replacement died before it registered
+            if ((event.rank in self._starting or event.rank in self._ready)
+                    and event.rank not in self._exit_pending):
+                # the replacement died before it was part of a world
+                self._starting.discard(event.rank)
+                if event.rank in self._ready:
+                    self._ready.remove(event.rank)
                 self._host_failures[self._slot_host(event.rank)] += 1
             elif self._round is not None and event.rank in self._vanished:
                 # a lost process's exit status says more than its closed connection
@@ -170,12 +192,15 @@ class ElasticWatcher(RunWatcher):
         if self._phase is Phase.WAITING:
             self._choose(now)
         if self._phase is Phase.STARTING:
-            if self._starting and now - self._phase_since > REPLACEMENT_START_S:
-                for slot in self._starting:
-                    self._launcher.kill(slot)
-                self._starting.clear()
-            if not self._starting:
-                self._form_world()
+            if self._join_later:
+                self._form_world()  # the replacements started join at a later reset
+            else:
+                if self._starting and now - self._phase_since > REPLACEMENT_START_S:
+                    for slot in self._starting:
+                        self._launcher.kill(slot)
+                    self._starting.clear()
+                if not self._starting:
+                    self._form_world()
 
     def _choose(self, now: float) -> None:
         """The round is in: fail at the reset limit, wait below min_np, or start replacements."""
@@ -186,9 +211,13 @@ class ElasticWatcher(RunWatcher):
             self._fail(f"every rank of world {self._generation} was lost at once "
                        f"({'; '.join(f'rank {rank}: {why}' for rank, why in self._round.left())})"
                        ": the commits lived in their memory. Start the run again")
-        free = [slot for slot in range(self.record.np) if slot not in survivors]
-        choice = choose_next_world(survivors, free, {s: self._slot_host(s) for s in free},
-                                   self._host_failures, self._bounds)
+        free = [slot for slot in range(self.record.np) if slot not in survivors
+                and slot not in self._starting and slot not in self._ready]
+        choice = choose_next_world(survivors, self._ready, free,
+                                   {s: self._slot_host(s) for s in free}, self._host_failures,
+                                   self._bounds, self._join_later)
+        if self._join_later or not choice.short_by:
+            self._start_replacements(choice.start)
         if choice.short_by:
             if self._phase is not Phase.WAITING:
                 self._phase, self._phase_since = Phase.WAITING, now
@@ -200,8 +229,10 @@ class ElasticWatcher(RunWatcher):
             return
         self._choice = choice
         self._phase, self._phase_since = Phase.STARTING, now
-        self._starting = set(choice.replacements)
-        for slot in choice.replacements:
+
+    def _start_replacements(self, slots: tuple[int, ...]) -> None:
+        for slot in slots:
+            self._starting.add(slot)
             self._server.expect_again(slot)
             self._launcher.replace(slot)  # returns once the lost process's exit is queued
             if self.record.ranks[slot].exit_code is None:
@@ -212,14 +243,14 @@ class ElasticWatcher(RunWatcher):
         left out (the run fails if that leaves fewer than min_np)."""
         round_, choice = self._round, self._choice
         members = [slot for slot in choice.members if not self.record.ranks[slot].ended
-                   and (slot in choice.replacements or slot not in round_.lost)]
+                   and (slot in choice.newcomers or slot not in round_.lost)]
         if len(members) < self._bounds.min_np:
             self._fail(too_few_ranks(len(members), self._bounds, 0.0,
                                      blacklisted_hosts(self._host_failures, self._bounds)))
         generation = self._generation + 1
         peers = [(rank, *self._server.registration(slot)) for rank, slot in enumerate(members)]
         for rank, slot in enumerate(members):
-            if slot in choice.replacements:
+            if slot in choice.newcomers:
                 self._server.start_joined(slot, peers, rank, generation)
             else:
                 self._server.send(slot, NextWorld(generation, rank, peers))
@@ -229,7 +260,7 @@ class ElasticWatcher(RunWatcher):
         reset = WorldReset(generation, tuple(rank for rank, _ in left),
                            tuple(reason for _, reason in left),
                            tuple(rank for rank, slot in enumerate(members)
-                                 if slot in choice.replacements),
+                                 if slot in choice.newcomers),
                            len(members), round_.asked.get(members[0], 0), tuple(members),
                            time.time())
         self.record.resets.append(reset)
@@ -242,6 +273,7 @@ class ElasticWatcher(RunWatcher):
             for slot in members:
                 self._trace.write(slot, [event])
         self._generation, self._world = generation, members
+        self._ready = [slot for slot in self._ready if slot not in members]
         self._phase, self._round, self._choice = Phase.RUNNING, None, None
 
     # ---- what starts and feeds a reset ---------------------------------------------------
@@ -251,6 +283,15 @@ class ElasticWatcher(RunWatcher):
             return  # a world that was already re-formed
         self._start_round()
         self._round.ask(event.slot, event.commits)
+
+    def _announce_joiners(self) -> None:
+        """Replacements are ready (a Spark task got a slot): the ranks re-form the world with
+        them at their next commit (the module doc)."""
+        self._say(f"replacement rank(s) in slot(s) {', '.join(map(str, self._ready))} ready: "
+                  "they join at the ranks' next commit")
+        notice = HostsUpdated(time.time(), added=True, removed=False)
+        for slot in self._world:
+            self._server.send(slot, notice)
 
     def _take_failures(self) -> None:
         """A failure of a member is a lost rank (RunWatcher would end the run on it)."""

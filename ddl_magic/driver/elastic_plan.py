@@ -15,7 +15,9 @@ A reset, as the driver sees it, top to bottom:
    the oldest survivor (the lowest rank of the oldest generation: every world lists its
    survivors first, its replacements last), whose state is the latest commit. Replacements
    fill the slots of lost ranks, up to `max_np`, except on a host whose ranks failed
-   `blacklist_after` times. Survivors above `max_np` are retired.
+   `blacklist_after` times. Survivors above `max_np` are retired. Where a replacement must
+   wait for room (Spark), the world forms without it; once it is ready the driver announces
+   a host update, and the ranks re-form the world with it at their next commit.
 4. **Wait** when fewer than `min_np` ranks can form the world: at most `wait_s`, then the
    run fails with a message saying how many it had and needed (`too_few_ranks`).
 """
@@ -93,34 +95,47 @@ class ResetRound:
 
 @dataclass(frozen=True)
 class WorldChoice:
-    """The next world: `members` in its rank order (survivors, then `replacements`, the slots
-    to start a new rank in), the survivors `retired` from the run, and how many ranks it
-    lacks to reach `min_np` (0: it can form)."""
+    """The next world: `members` in its rank order (survivors, then `newcomers`, the
+    processes that join it from outside), the slots to `start` a new rank in, the survivors
+    `retired` from the run, and how many ranks it lacks to reach `min_np` (0: it can form)."""
 
     members: tuple[int, ...]
-    replacements: tuple[int, ...]
+    newcomers: tuple[int, ...]
+    start: tuple[int, ...]
     retired: tuple[int, ...]
     short_by: int
 
 
-def choose_next_world(survivors: list[int], free_slots: list[int], slot_hosts: dict[int, str],
-                      host_failures: Counter, bounds: ElasticBounds) -> WorldChoice:
-    """The next world from the survivors (oldest first) and the slots a replacement may
-    start in (`slot_hosts`: the host each slot's rank runs on).
+def choose_next_world(survivors: list[int], ready: list[int], free_slots: list[int],
+                      slot_hosts: dict[int, str], host_failures: Counter, bounds: ElasticBounds,
+                      join_later: bool = False) -> WorldChoice:
+    """The next world from the survivors (oldest first), the replacements that are `ready`
+    (started earlier, registered, waiting for a world) and the slots a new replacement may
+    start in (`slot_hosts`: the host each slot's rank ran on).
+
+    Where replacements `join_later` (a Spark task waits for a free slot, which may take until
+    a host comes back), the world forms without the ones it starts: they join at a later
+    reset, once ready. Otherwise (a local fork takes a moment) they are members at once.
 
     >>> bounds = ElasticBounds(min_np=2, max_np=4, reset_limit=10, wait_s=60, blacklist_after=3)
     >>> hosts = {slot: "a" for slot in range(4)}
-    >>> choose_next_world([0, 1, 3], [2], hosts, Counter(a=1), bounds)
-    WorldChoice(members=(0, 1, 3, 2), replacements=(2,), retired=(), short_by=0)
-    >>> choose_next_world([1], [0, 2, 3], hosts, Counter(a=3), bounds).short_by
+    >>> choose_next_world([0, 1, 3], [], [2], hosts, Counter(a=1), bounds)
+    WorldChoice(members=(0, 1, 3, 2), newcomers=(2,), start=(2,), retired=(), short_by=0)
+    >>> choose_next_world([0, 1], [], [2, 3], hosts, Counter(), bounds, join_later=True)
+    WorldChoice(members=(0, 1), newcomers=(), start=(2, 3), retired=(), short_by=0)
+    >>> choose_next_world([0, 1], [2], [3], hosts, Counter(), bounds, join_later=True).members
+    (0, 1, 2)
+    >>> choose_next_world([1], [], [0, 2, 3], hosts, Counter(a=3), bounds).short_by
     1
     """
     kept, retired = survivors[:bounds.max_np], survivors[bounds.max_np:]
-    room = bounds.max_np - len(kept)
-    replacements = [slot for slot in free_slots
-                    if host_failures[slot_hosts.get(slot, "")] < bounds.blacklist_after][:room]
-    members = (*kept, *replacements)
-    return WorldChoice(members, tuple(replacements), tuple(retired),
+    joining = ready[:bounds.max_np - len(kept)]
+    room = bounds.max_np - len(kept) - len(joining)
+    start = [slot for slot in free_slots
+             if host_failures[slot_hosts.get(slot, "")] < bounds.blacklist_after][:room]
+    newcomers = (*joining, *([] if join_later else start))
+    members = (*kept, *newcomers)
+    return WorldChoice(members, newcomers, tuple(start), tuple(retired),
                        max(0, bounds.min_np - len(members)))
 
 

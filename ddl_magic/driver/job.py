@@ -177,7 +177,8 @@ class Job:
         try:
             display.display()
             while True:
-                self.launcher.start(self.np, server.address, secret, events)
+                self.launcher.start(self.np, server.address, secret, events,
+                                    elastic=bounds is not None)
                 try:
                     watcher.watch(events, server, options.timeout_s)
                     break
@@ -217,9 +218,6 @@ class Job:
     def _elastic_bounds(self) -> ElasticBounds:
         """The elastic run's bounds, checked before anything starts; a launcher that cannot
         replace ranks refuses the run."""
-        if not hasattr(self.launcher, "replace"):
-            raise ValueError(f"elastic runs (min_np/max_np) on {self.launcher.where} are not "
-                             "built yet: run on local processes, or drop min_np and max_np")
         bounds = elastic_bounds(self.np, self.options.min_np, self.options.max_np)
         self.launcher.check_elastic(self.np, bounds.max_np)
         return bounds

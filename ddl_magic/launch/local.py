@@ -167,7 +167,8 @@ class LocalLauncher:
                              f"use -np {count} or fewer, or drop the GPU option")
 
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
-              events: queue.Queue) -> None:
+              events: queue.Queue, elastic: bool = False) -> None:
+        """Fork `np` ranks (`elastic` or not: a lost one is replaced by `replace`, either way)."""
         sys_path = [os.getcwd(), *sys.path]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")

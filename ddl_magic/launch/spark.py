@@ -1,4 +1,5 @@
 """Ranks as Spark barrier tasks: one barrier stage of `np` tasks, each running one rank.
+An elastic run's ranks are one-task jobs instead (below).
 
 Barrier mode gives gang scheduling (all ranks start together or none does) and
 all-or-nothing failure; everything else is ours. Spark Connect sessions (Databricks' shared
@@ -24,12 +25,24 @@ Three Spark behaviours shape this module:
   a task that cannot (its Python lacks ddl_magic, the driver is out of reach) says so in the
   row it returns. The task, not the rank, reading the rank's output means a rank killed
   mid-line still has its last words shown.
+
+Elastic runs (min_np/max_np) live with barrier mode's all-or-nothing the other way round:
+they are not one stage. Each rank is a Spark job of one task, so a lost executor fails the
+tasks it ran and no other; the ranks left go on from their last commit. A lost rank's
+replacement is a new one-task job, which Spark places on any free slot, or keeps waiting
+until one frees up or a lost host comes back (`replacements_join_later`: the world does not
+wait for it, and it joins at the ranks' next commit, `driver/elastic.py`). What barrier mode
+gave is ours here: the driver waits for every rank to register, and a rank dies with its
+task (`rank/spark_task.py`). Horovod's `run_elastic` does the same in its own way: long-lived
+tasks that start and stop ranks.
 """
 
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import functools
+import itertools
 import queue
 import re
 import threading
@@ -68,6 +81,7 @@ class SparkLauncher:
 
     where = "Spark barrier tasks"
     forwards_output = True  # each task relays its rank's output, then its exit
+    replacements_join_later = True  # an elastic run's replacement waits for a free slot
 
     def __init__(self, spark=None, data=None):
         """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned
@@ -85,8 +99,11 @@ class SparkLauncher:
             self.advertised_host = self._conf("spark.driver.host")
             self.bind_host = self._conf("spark.driver.bindAddress", self.advertised_host)
         self._job_tag: str | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the stage's, or every elastic rank's job's
         self._stopping = threading.Event()
+        self._start_task = None  # an elastic run's: (slot) -> start a one-task job for it
+        self._rank_jobs: dict[int, _RankJob] = {}  # an elastic run's, by slot
+        self._job_numbers = itertools.count()
 
     @staticmethod
     def describe_lost(host: str, ranks: list[int]) -> str:
@@ -108,6 +125,19 @@ class SparkLauncher:
                 "(Executors still starting do not count yet: on a cluster that just started, "
                 "run again once they have registered.)")
 
+    def check_elastic(self, np: int, max_np: int) -> None:
+        """An elastic run keeps its `np` slots (a replacement takes a lost rank's), and its
+        ranks read their own data: a DataFrame is split once, for the ranks it starts with."""
+        if self._data is not None:
+            raise ValueError("an elastic run cannot train on a DataFrame's partitions: they are "
+                             "handed out once, and a lost rank's would be lost with it. Read "
+                             "the data in the ranks (e.g. from a table or files, sharded by "
+                             "hvd.elastic.ElasticSampler), or drop min_np and max_np")
+        if max_np > np:
+            raise ValueError(f"max_np={max_np} is above np={np}: an elastic run on Spark "
+                             f"replaces lost ranks and keeps at most its {np} ranks. Use "
+                             f"-np {max_np}, or leave max_np out")
+
     def check_gpus(self, np: int) -> None:
         """GPU ranks need Spark to hand each task a GPU: refuse before launching if it won't."""
         if float(self._conf("spark.task.resource.gpu.amount", "0")) <= 0:
@@ -118,27 +148,48 @@ class SparkLauncher:
                 "GPU option")
 
     def start(self, np: int, control_address: tuple[str, int], secret: bytes,
-              events: queue.Queue) -> None:
-        """Submit the barrier stage from a background thread and return at once."""
+              events: queue.Queue, elastic: bool = False) -> None:
+        """Submit the barrier stage (`elastic`: one job per rank) from background threads and
+        return at once."""
         self._job_tag = f"ddl_magic-{uuid.uuid4().hex[:12]}"
         self._stopping.clear()
         task = functools.partial(_by_value(run_rank_task), control_address, secret,
                                  OUTPUT_TAIL_LINES, report_interval_s(peer_timeout_s()),
                                  self._data is not None)
-        run_tasks = self._jobs.barrier_stage(np, task, self._data)
+        if not elastic:
+            self._submit(self._job_tag, f"ddl_magic: {np} ranks",
+                         self._jobs.barrier_stage(np, task, self._data), events, failed_rank=None)
+            return
+        self._rank_jobs = {}
 
-        def run_stage() -> None:
-            self._jobs.tag_this_thread(self._job_tag, f"ddl_magic: {np} ranks")
+        def start_rank(slot: int) -> None:
+            job = self._rank_jobs[slot] = _RankJob(f"{self._job_tag}-{slot}-{next(self._job_numbers)}")
+            job.thread = self._submit(job.tag, f"ddl_magic: rank slot {slot}",
+                                      self._jobs.rank_job(slot, task), events, failed_rank=slot)
+
+        self._start_task = start_rank
+        for slot in range(np):
+            start_rank(slot)
+
+    def _submit(self, tag: str, description: str, run_tasks: Callable[[], list[dict]],
+                events: queue.Queue, failed_rank: int | None) -> threading.Thread:
+        """Run a Spark job on a thread of its own; tell the run how its tasks ended, or why
+        the job failed (`failed_rank`: whose job it is, None: a barrier stage's)."""
+
+        def run_job() -> None:
+            self._jobs.tag_this_thread(tag, description)
             try:
                 ended = run_tasks()
             except Exception as exc:  # whatever ended the job, the run must hear of it
-                if not self._stopping.is_set():
+                job = self._rank_jobs.get(failed_rank)
+                superseded = failed_rank is not None and (job is None or job.tag != tag)
+                if not self._stopping.is_set() and not superseded:
                     rank, reason, details = _describe_spark_error(exc)
                     # An executor that died took its ranks with it (the driver names its host).
                     kind = (FailureKind.VANISHED if "ExecutorLostFailure" in details
                             else FailureKind.TASK_FAILED)
-                    events.put(RankFailed(rank, "", kind, details, reason,
-                                          at_ns=time.monotonic_ns()))
+                    events.put(RankFailed(rank if failed_rank is None else failed_rank, "",
+                                          kind, details, reason, at_ns=time.monotonic_ns()))
                 return
             for task_end in ended:  # what the control server has not heard already
                 if not task_end["reported"]:
@@ -146,26 +197,62 @@ class SparkLauncher:
                                              task_end["output"], task_end["host"]))
 
         # An InheritableThread keeps what the calling thread set, e.g. its scheduler pool.
-        self._thread = InheritableThread(target=run_stage, session=self._spark,
-                                         name="ddl-spark-stage", daemon=True)
-        self._thread.start()
+        thread = InheritableThread(target=run_job, session=self._spark, name="ddl-spark-job",
+                                   daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    def replace(self, slot: int) -> None:
+        """Start a new rank in `slot` as a job of its own (an elastic run); the old one's job,
+        if Spark still runs or retries it, is cancelled first."""
+        self._end_rank_job(slot, wait_s=0.5)
+        self._start_task(slot)
+
+    def kill(self, slot: int) -> None:
+        """Cancel the job of the rank in `slot` (stopped, unreachable or hung in an elastic
+        run): its task ends, and the rank's process dies with it."""
+        self._end_rank_job(slot, wait_s=0.0)
+
+    def _end_rank_job(self, slot: int, wait_s: float) -> None:
+        job = self._rank_jobs.pop(slot, None)  # a failure it reports now is old news
+        if job is None:
+            return
+        job.thread.join(timeout=wait_s)
+        if job.thread.is_alive():
+            self._jobs.cancel(job.tag)
+            job.thread.join(timeout=STOP_TIMEOUT_S)
 
     def stop(self) -> None:
-        """End the barrier stage: let the tasks of stopped ranks end, cancel what remains."""
-        if self._thread is None:
+        """End the ranks' jobs: let the tasks of stopped ranks end, cancel what remains."""
+        if not self._threads:
             return
         self._stopping.set()
-        self._thread.join(timeout=STOP_GRACE_S)
-        if self._thread.is_alive():
+        deadline = time.monotonic() + STOP_GRACE_S
+        for thread in self._threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(thread.is_alive() for thread in self._threads):
             self._jobs.cancel(self._job_tag)
-            self._thread.join(timeout=STOP_TIMEOUT_S)
-        self._thread = None
+            for job in self._rank_jobs.values():
+                self._jobs.cancel(job.tag)
+            for thread in self._threads:
+                thread.join(timeout=STOP_TIMEOUT_S)
+        self._threads, self._rank_jobs, self._start_task = [], {}, None
 
     def _conf(self, key: str, default: str | None = None) -> str | None:
         return self._spark.conf.get(key, default)
 
     def _cpus_per_task(self) -> int:
         return int(self._conf("spark.task.cpus", "1"))
+
+
+@dataclasses.dataclass
+class _RankJob:
+    """An elastic run's rank: the tag of the Spark job that runs its task, and the thread
+    that waits for the job."""
+
+    tag: str
+    thread: threading.Thread | None = None
 
 
 def _dataframe_stage(spark, np: int, task, data) -> Callable[[], list[dict]]:
@@ -195,6 +282,10 @@ class _ClassicJobs:
             functools.partial(task, False))
         return stage.collect
 
+    def rank_job(self, slot: int, task) -> Callable[[], list[dict]]:
+        return self._context.parallelize([slot], 1).mapPartitions(
+            functools.partial(task, False, slot=slot)).collect
+
     def default_parallelism(self) -> int:
         return self._context.defaultParallelism
 
@@ -214,6 +305,11 @@ class _ConnectJobs:
 
     def barrier_stage(self, np: int, task, data) -> Callable[[], list[dict]]:
         return _dataframe_stage(self._spark, np, task, data)
+
+    def rank_job(self, slot: int, task) -> Callable[[], list[dict]]:
+        job = self._spark.range(0, 1, 1, 1).mapInArrow(functools.partial(task, True, slot=slot),
+                                                       TASK_RESULT_SCHEMA)
+        return lambda: [row.asDict() for row in job.collect()]
 
     def default_parallelism(self) -> int:
         # `range` without a partition count splits into the default parallelism, the number

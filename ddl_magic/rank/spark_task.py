@@ -15,10 +15,13 @@ from ..wire.messages import TaskAlive, TaskExited, TaskOutput, TaskStarted
 
 
 def run_rank_task(control_address, secret, tail_lines, report_interval, hand_over_rows,
-                   as_arrow, batches):
-    """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end.
+                   as_arrow, batches, slot=None):
+    """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end;
+    or, with `slot`, the one task of an elastic run's rank job: run the rank in that slot.
 
-    The task owns its rank's process: every `report_interval` seconds it tells the driver
+    The task owns its rank's process, which dies with the task's Python (Linux: a parent-death
+    signal), so a task Spark kills or cancels leaves no rank behind; every `report_interval`
+    seconds it tells the driver
     what state the kernel says the process is in (`wire/liveness.py`), from a thread that the
     rank's own Python cannot starve.
 
@@ -36,10 +39,13 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, hand_ove
     import sys
     import threading
 
-    from pyspark import BarrierTaskContext
+    from pyspark import BarrierTaskContext, TaskContext
 
-    task = BarrierTaskContext.get()
-    rank = task.partitionId()
+    if slot is None:
+        task = BarrierTaskContext.get()
+        rank, executors = task.partitionId(), [info.address for info in task.getTaskInfos()]
+    else:  # an elastic rank's task knows no other task: the driver probes no hosts for it
+        task, rank, executors = TaskContext.get(), slot, []
     if task.attemptNumber() > 0:
         return  # Spark retried the task after a failure: a rank never runs twice
     host = socket.gethostname()
@@ -49,9 +55,16 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, hand_ove
         from ddl_magic.rank.spark_task import TaskRelay
 
         relay = TaskRelay(control_address, secret, rank)
-        relay.started([info.address for info in task.getTaskInfos()])  # the driver probes them
+        relay.started(executors)  # the driver probes their hosts
     except (ImportError, OSError):
         relay = None  # the rank forwards its own output; this task reports in the row it returns
+
+    def die_with_parent():
+        """In the rank's process before it runs: SIGKILL it when this task's thread ends."""
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
     def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
         read_end, write_end = os.pipe()
@@ -68,6 +81,7 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, hand_ove
             try:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "ddl_magic.rank.worker"], env=env,
+                    preexec_fn=die_with_parent,
                     pass_fds=(read_end, *extra_fds), stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE if relay is not None else subprocess.STDOUT)

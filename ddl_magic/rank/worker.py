@@ -46,7 +46,7 @@ from ..wire.channel import (ABORTED_EXIT_CODE, CONNECT_TIMEOUT_S, Channel, PeerC
                             peer_timeout_s)
 from ..wire.elastic_settings import REPLACEMENT_START_S, elastic_timeout_s
 from ..wire.messages import (Abort, AskNextWorld, ClockProbe, Failed, FailureKind, Finished,
-                             NextWorld, Output, Register, RunCannotGoOn, Start, TimelineEvents,
+                             HostsUpdated, NextWorld, Output, Register, RunCannotGoOn, Start, TimelineEvents,
                              TimelineStart)
 from ..wire.output_lines import forward_lines
 from .environment import rank_environment, reserve_port
@@ -231,10 +231,16 @@ def _clock_offset_ns(channel: Channel, probes: int = 5) -> int:
 def _obey_driver(channel: Channel, plans: queue.Queue) -> None:
     """Exit at once when the driver aborts the run or disappears: no rank outlives its run.
     An elastic rank's next world, or the driver's word that there is none, goes to the
-    rank's main thread, which waits for it in `DriverRendezvous.next_world`."""
+    rank's main thread, which waits for it in `DriverRendezvous.next_world`; a host-update
+    notice goes to the running elastic states (`torch/elastic/notices.py`)."""
     try:
-        while isinstance(message := channel.recv(), (NextWorld, RunCannotGoOn)):
-            plans.put(message)
+        while isinstance(message := channel.recv(), (NextWorld, RunCannotGoOn, HostsUpdated)):
+            if isinstance(message, HostsUpdated):
+                result = ((elastic.HostUpdateResult.added if message.added else 0)
+                          | (elastic.HostUpdateResult.removed if message.removed else 0))
+                elastic.notify_hosts_updated(message.timestamp, result)
+            else:
+                plans.put(message)
     except (OSError, PeerClosedError, EOFError):
         pass  # the driver went away
     if not _leaving.is_set():

@@ -9,7 +9,7 @@ Who sends what:
                          Finished, Failed
     driver ──► rank      ClockReading, Start (with the run's RunSettings), Abort
     rank ──► driver      AskNextWorld   (an elastic run's reset, `driver/elastic.py`)
-    driver ──► rank      NextWorld, RunCannotGoOn
+    driver ──► rank      NextWorld, RunCannotGoOn, HostsUpdated
     task ──► driver      TaskStarted, TaskAlive, TaskOutput, TaskExited
                          (what started the rank, e.g. a Spark task)
     rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
@@ -128,6 +128,17 @@ class NextWorld:
     generation: int
     rank: int | None
     peers: list[tuple[int, str, tuple[str, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class HostsUpdated:
+    """An elastic run's ranks changed without a failure (a replacement that waited for a
+    free Spark slot is ready to join): the world re-forms at the ranks' next `commit()` or
+    `check_host_updates()`, nothing rolled back. `timestamp` grows with each notice."""
+
+    timestamp: float
+    added: bool
+    removed: bool
 
 
 @dataclass(frozen=True, slots=True)
