@@ -47,7 +47,7 @@ class RecordedState:
     def restore(self):
         self.log.append("restore")
 
-    def on_reset(self):
+    def on_reset(self, formed_at=0.0):
         self.log.append("callbacks")
 
     def on_hosts_updated(self, timestamp, result):

@@ -53,6 +53,9 @@ class ControlServer:
         self._lock = threading.Lock()
         self._channels: dict[int, Channel] = {}
         self._task_channels: set[Channel] = set()
+        # The task that speaks for each rank: an elastic run's replacement's task takes over
+        # from the lost rank's, which may still report (late) over its own channel.
+        self._task_of: dict[int, Channel] = {}
         self._registrations: dict[int, tuple] = {}
         self._torch_master: tuple[str, int] | None = None  # rank 0's port for torch's store
         self._finished: set[int] = set()
@@ -225,14 +228,22 @@ class ControlServer:
 
     def _relay_task(self, channel: Channel) -> None:
         """What a task relays for its rank: where the ranks run, output lines, then the
-        process's end."""
+        process's end. Only the newest task of a rank is heard."""
         with self._lock:
             if self._closed:
                 return
             self._task_channels.add(channel)
         try:
             while True:
-                match channel.recv():
+                message = channel.recv()
+                rank = getattr(message, "rank", None)
+                if isinstance(message, TaskStarted) and isinstance(rank, int):
+                    with self._lock:
+                        self._task_of[rank] = channel
+                with self._lock:
+                    if self._task_of.get(rank) is not channel:
+                        return  # a lost rank's task, replaced: old news
+                match message:
                     case TaskStarted(rank, executors) if 0 <= rank < self.np and isinstance(
                             executors, list) and len(executors) in (0, self.np) and all(
                             isinstance(executor, str) for executor in executors):

@@ -234,8 +234,8 @@ class ElasticWatcher(RunWatcher):
         for slot in slots:
             self._starting.add(slot)
             self._server.expect_again(slot)
-            self._launcher.replace(slot)  # returns once the lost process's exit is queued
-            if self.record.ranks[slot].exit_code is None:
+            # True: the lost process's exit is queued, and comes before anything of the new one
+            if self._launcher.replace(slot) and self.record.ranks[slot].exit_code is None:
                 self._exit_pending.add(slot)
 
     def _form_world(self) -> None:
@@ -247,15 +247,15 @@ class ElasticWatcher(RunWatcher):
         if len(members) < self._bounds.min_np:
             self._fail(too_few_ranks(len(members), self._bounds, 0.0,
                                      blacklisted_hosts(self._host_failures, self._bounds)))
-        generation = self._generation + 1
+        generation, formed_at = self._generation + 1, time.time()
         peers = [(rank, *self._server.registration(slot)) for rank, slot in enumerate(members)]
         for rank, slot in enumerate(members):
             if slot in choice.newcomers:
                 self._server.start_joined(slot, peers, rank, generation)
             else:
-                self._server.send(slot, NextWorld(generation, rank, peers))
+                self._server.send(slot, NextWorld(generation, rank, peers, formed_at))
         for slot in choice.retired:
-            self._server.send(slot, NextWorld(generation, None, peers))
+            self._server.send(slot, NextWorld(generation, None, peers, formed_at))
         left = round_.left()
         reset = WorldReset(generation, tuple(rank for rank, _ in left),
                            tuple(reason for _, reason in left),

@@ -201,13 +201,14 @@ class LocalLauncher:
         self._exited[pid] = exited
         self._slot_pids[rank] = pid
 
-    def replace(self, rank: int) -> None:
+    def replace(self, rank: int) -> bool:
         """Start a new process in the slot of `rank`, whose process was lost (an elastic
         run). The old one is gone first (a rank that raised gets half a second to exit on
-        its own), and its exit reported before anything of the new one."""
+        its own), and its exit queued before anything of the new one: True."""
         if not self._exited[self._slot_pids[rank]].wait(0.5):
             self.kill(rank)
         self._fork(rank)
+        return True
 
     def kill(self, rank: int) -> None:
         """Kill the process in the slot of `rank` (stopped, unreachable or hung in an elastic

@@ -181,8 +181,7 @@ class SparkLauncher:
             try:
                 ended = run_tasks()
             except Exception as exc:  # whatever ended the job, the run must hear of it
-                job = self._rank_jobs.get(failed_rank)
-                superseded = failed_rank is not None and (job is None or job.tag != tag)
+                superseded = failed_rank is not None and self._superseded(failed_rank, tag)
                 if not self._stopping.is_set() and not superseded:
                     rank, reason, details = _describe_spark_error(exc)
                     # An executor that died took its ranks with it (the driver names its host).
@@ -190,6 +189,8 @@ class SparkLauncher:
                             else FailureKind.TASK_FAILED)
                     events.put(RankFailed(rank if failed_rank is None else failed_rank, "",
                                           kind, details, reason, at_ns=time.monotonic_ns()))
+                return
+            if failed_rank is not None and self._superseded(failed_rank, tag):
                 return
             for task_end in ended:  # what the control server has not heard already
                 if not task_end["reported"]:
@@ -203,25 +204,32 @@ class SparkLauncher:
         self._threads.append(thread)
         return thread
 
-    def replace(self, slot: int) -> None:
+    def _superseded(self, slot: int, tag: str) -> bool:
+        """Whether the job `tag` ran a rank of `slot` that was since replaced or killed."""
+        job = self._rank_jobs.get(slot)
+        return job is None or job.tag != tag
+
+    def replace(self, slot: int) -> bool:
         """Start a new rank in `slot` as a job of its own (an elastic run); the old one's job,
-        if Spark still runs or retries it, is cancelled first."""
+        if Spark still runs or retries it, is cancelled first. False: nothing of the old
+        rank is reported from now on (the control server hears only a rank's newest task)."""
         self._end_rank_job(slot, wait_s=0.5)
         self._start_task(slot)
+        return False
 
     def kill(self, slot: int) -> None:
         """Cancel the job of the rank in `slot` (stopped, unreachable or hung in an elastic
-        run): its task ends, and the rank's process dies with it."""
+        run): its task ends, and the rank's process dies with it. Does not wait: a job on an
+        executor out of reach ends only once Spark gives the executor up."""
         self._end_rank_job(slot, wait_s=0.0)
 
     def _end_rank_job(self, slot: int, wait_s: float) -> None:
-        job = self._rank_jobs.pop(slot, None)  # a failure it reports now is old news
+        job = self._rank_jobs.pop(slot, None)  # what it reports from now on is old news
         if job is None:
             return
         job.thread.join(timeout=wait_s)
         if job.thread.is_alive():
             self._jobs.cancel(job.tag)
-            job.thread.join(timeout=STOP_TIMEOUT_S)
 
     def stop(self) -> None:
         """End the ranks' jobs: let the tasks of stopped ranks end, cancel what remains."""

@@ -275,7 +275,7 @@ class DriverRendezvous:
         if answer.rank is not None:
             os.environ.update(rank_environment(derive_world(answer.rank, list(peers)),
                                                self._torch_master, self._run_id))
-        return elastic.WorldPlan(answer.generation, answer.rank, peers)
+        return elastic.WorldPlan(answer.generation, answer.rank, peers, answer.formed_at)
 
 
 class _DriverLink:

@@ -128,6 +128,7 @@ class NextWorld:
     generation: int
     rank: int | None
     peers: list[tuple[int, str, tuple[str, int]]]
+    formed_at: float  # the driver's time.time(): notices stamped earlier are in this world
 
 
 @dataclass(frozen=True, slots=True)

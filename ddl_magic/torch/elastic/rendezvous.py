@@ -55,11 +55,14 @@ class WorldPlan:
 
     `peers[r]` is rank r's host and ring listener; `rank` is this rank's number, or None
     when the driver left this rank out (then `reform_world` raises `RankRetired`).
+    `formed_at`: when the driver formed it (its clock): host-update notices stamped earlier
+    are taken into account by this world (`State.on_reset`).
     """
 
     generation: int  # later than every request's that led to it
     rank: int | None
     peers: tuple[Peer, ...]
+    formed_at: float = 0.0
 
 
 class ElasticRendezvous(Protocol):

@@ -87,7 +87,7 @@ def _run_with_resets(func: Callable[..., Result], state: State, args: tuple, kwa
             if pending is not None:
                 plan = reform(*pending, state.commit_count)
                 pending = None
-                state.on_reset()
+                state.on_reset(plan.formed_at)
                 _say(f"reset {resets}: now rank {plan.rank} of {len(plan.peers) or 1} "
                      f"(world {plan.generation})")
             if not skip_sync:

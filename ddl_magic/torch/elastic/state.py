@@ -57,9 +57,12 @@ class State:
         """
         self._reset_callbacks.extend(callbacks)
 
-    def on_reset(self) -> None:
-        """What the elastic loop calls once the world is re-formed."""
-        self._host_messages = queue.Queue()
+    def on_reset(self, formed_at: float = 0.0) -> None:
+        """What the elastic loop calls once the world is re-formed. The driver formed it at
+        `formed_at` (its clock, as notices are stamped) knowing of every host change until
+        then: older notices, even those that arrive after it, are old news. Newer ones stay
+        queued for the next check (a replacement ready just after the world formed)."""
+        self._last_updated_timestamp = max(self._last_updated_timestamp, formed_at)
         self.reset()
         for callback in self._reset_callbacks:
             callback()
