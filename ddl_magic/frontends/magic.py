@@ -45,10 +45,10 @@ class HorovodMagics(Magics):
     @argument("--min-np", dest="min_np", type=int, metavar="N",
               help="elastic: a lost rank resets the world instead of failing the cell; the "
                    "run goes on from the last state.commit() while N ranks are left (lost "
-                   "local ranks are replaced). Needs hvd.elastic.run; see 'Elastic runs' in "
+                   "ranks are replaced). Needs hvd.elastic.run; see 'Elastic runs' in "
                    "the README")
     @argument("--max-np", dest="max_np", type=int, metavar="N",
-              help="elastic: at most N ranks (local runs: -np at most)")
+              help="elastic: at most N ranks (-np at most)")
     @argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
               help="as torchrun's, for plain torch.distributed code: when a rank fails, "
                    "stop every rank and run the cell again on fresh ranks, at most K times; "

@@ -50,7 +50,8 @@ class HorovodRunner:
     `min_np` and/or `max_np` make the run elastic (Horovod's `horovodrun --min-np/--max-np`):
     a lost rank resets the world instead of failing the run, and `main`'s
     `@hvd.elastic.run` function goes on from the last `state.commit()` while `min_np` ranks
-    are left; local runs replace lost ranks, up to `np`. `last_run.resets` lists the resets.
+    are left; lost ranks are replaced, up to `np` (on Spark a replacement joins once its
+    task has a slot, `README.md`'s "Elastic runs on Spark"). `last_run.resets` lists the resets.
 
         HorovodRunner(np=-4, min_np=2).run(train)
 

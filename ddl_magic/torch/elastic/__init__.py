@@ -27,9 +27,10 @@ the driver), `exceptions.py`.
 The driver's side of a reset (the rank's side is here)
 =====================================================
 
-Built for local runs: `driver/elastic.py` (the phases), `driver/elastic_plan.py` (the
-decisions, pure), the messages in `wire/messages.py` and `rank/worker.py`'s
-`DriverRendezvous`. Still to build: host-update notices (6) and Spark (7).
+Built for local runs and Spark: `driver/elastic.py` (the phases), `driver/elastic_plan.py`
+(the decisions, pure), `launch/local.py` and `launch/spark.py` (replacements), the messages
+in `wire/messages.py` and `rank/worker.py`'s `DriverRendezvous`. Still to build: elastic
+pools (8).
 
 A rank re-forms its world through the `ElasticRendezvous` that its worker installs
 (`rendezvous.install`) before the user's code runs. Without one, a rank uses `SameWorld`:
@@ -41,8 +42,7 @@ a lost rank ends the run as today. What the driver and the worker provide:
    next world's number, this rank's number in it or None, the peer table) become frozen
    dataclasses in `wire/`, plus a "run cannot go on" answer carrying the reason, which
    the worker's `next_world` raises as `ElasticRunFailed`, and a host-update notice
-   (timestamp, `HostUpdateResult`) that the worker passes to `notify_hosts_updated` (not
-   built yet). The worker's control thread (`rank/worker.py: _obey_driver`) dispatches by
+   (`HostsUpdated`) that the worker passes to `notify_hosts_updated`. The worker's control thread (`rank/worker.py: _obey_driver`) dispatches by
    type, handing plans to the waiting `next_world`. After a plan the worker refreshes the
    rank's environment (`RANK`, `HOROVOD_RANK`, ... from `rank_environment`), which
    `reform_world` cannot reach from this layer.
@@ -81,21 +81,21 @@ a lost rank ends the run as today. What the driver and the worker provide:
    resets themselves too (`DDL_MAGIC_ELASTIC_RESET_LIMIT`, default 10, see `resets.py`):
    the driver passes its limit in that variable so both agree.
 
-6. **Graceful changes.** When a host comes back (Spark: an executor returns) or is to be
-   removed, the driver sends every rank a host-update notice; each raises
-   `HostsUpdatedInterrupt` at its next `commit()`/`check_host_updates()` (all at the same
-   point: ranks agree on notices by a max-allreduce), then asks for the next world with
-   reason `HOSTS_UPDATED`. Nothing is rolled back.
+6. **Graceful changes.** When a replacement that waited for room is ready (Spark: its
+   task got a slot, e.g. on a host that came back), the driver sends every rank a
+   host-update notice; each raises `HostsUpdatedInterrupt` at its next
+   `commit()`/`check_host_updates()` (all at the same point: ranks agree on notices by a
+   max-allreduce), then asks for the next world with reason `HOSTS_UPDATED`. Nothing is
+   rolled back. Every world carries the time the driver formed it: a notice stamped
+   earlier, even one that arrives during the reset, is already in it (`State.on_reset`).
 
 7. **Spark.** Barrier mode gives gang scheduling but fails every task of the stage when
-   one fails, and may retry the stage: a lost executor would take all the commits (they
-   live in the ranks' memory) with it. An elastic Spark run therefore cannot be one
-   barrier stage for its whole life. As `horovod.spark.run_elastic` does, its ranks run in
-   tasks that fail alone: tasks of a non-barrier stage (or one job per rank) with Spark's
-   retries off (`spark.task.maxFailures` of 1 for these jobs), so that Spark never reruns
-   training behind the driver's back; a retired rank ends its task successfully, and
-   replacements are new tasks submitted where slots are free. Gang start is then the
-   driver's rendezvous, bounded by the wait for `min_np`.
+   one fails: a lost executor would take all the commits (they live in the ranks' memory)
+   with it. An elastic Spark run is therefore one Spark job of one task per rank, so a
+   task fails alone; a task Spark retries returns at once (a rank never runs twice behind
+   the driver's back), and a rank dies with its task. A replacement is a new job, which
+   waits for a free slot: the ranks left go on without it and it joins as in (6). Gang
+   start is the driver's wait for every rank to register.
 
 8. **What a reset does not carry over.** Process sets (every rank adds them again, in a
    reset callback), `torch.distributed` groups over the `ddl` backend, and the timeline
