@@ -13,6 +13,10 @@ same `RunWatcher` as a one-shot run; what differs is what happens at its end:
     a rank was lost           (killed, crashed, its host gone) the pool is broken: the other
                               ranks are stopped at once, nothing is left running, and the
                               next cell says so and how to go on (`%horovod restart`)
+    ... in an elastic pool    (`min_np`) a fresh rank takes the lost one's place and every
+                              rank forms a fresh ring with it (`_replace_lost`); the others
+                              keep their namespaces, and the user is told which ranks
+                              start empty. Below `min_np` survivors the pool breaks
 
 Between cells nothing else reads the pool's events, so a thread of its own takes them in
 every report interval (`_watch_between_cells`): a rank that died, or a host whose Spark
@@ -23,7 +27,9 @@ its Spark slots; the tasks' reports never pile up in the queue.
 Why a lost rank breaks the pool instead of restarting it behind the user's back: a rank's
 namespace holds what earlier cells built (a model half trained); fresh ranks would run the
 next cell without it and fail further on, or worse, succeed on a different state. The user
-decides, with one command.
+decides, with one command; or, starting the pool with `min_np`, decides up front that lost
+ranks are replaced (their code rebuilds what a replacement lacks, e.g. by broadcasting rank
+0's model), and is told each time which ranks were.
 
 Every message about a cell names its epoch (`wire/messages.py`): what a rank sends late
 about a stopped cell is never taken for the next cell's. Each rank's output for a cell ends
@@ -43,6 +49,7 @@ import enum
 import itertools
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -66,6 +73,7 @@ from .watcher import REGISTER_TIMEOUT_S, RunWatcher
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..timeline.chrome import join_traces
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.elastic_settings import REPLACEMENT_START_S
 from ..wire.liveness import LivenessWatch, ProcessState, report_interval_s
 from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, Pull,
                              RunCell, RunSettings)
@@ -127,10 +135,15 @@ class Pool:
 
     def __init__(self, np: int, launcher, *, env: dict[str, str] | None = None,
                  timeline_path: str | None = None, use_gpu: bool = False,
-                 display: DisplayFactory = text_display):
+                 display: DisplayFactory = text_display, min_np: int | None = None):
         if np < 1:
             raise ValueError(f"a pool needs at least 1 rank (got np={np})")
+        if min_np is not None and not 1 <= min_np <= np:
+            raise ValueError(f"an elastic pool needs 1 <= min_np <= np, got min_np={min_np}, "
+                             f"np={np}: e.g. %horovod start -np 4 --min-np 2")
         self.np = np
+        self.min_np = min_np  # elastic: lost ranks are replaced while min_np are left
+        self.replaced: list[str] = []  # what each replacement of lost ranks said
         self.launcher = launcher
         self.env = dict(env or {})
         self.timeline_path = timeline_path
@@ -207,7 +220,9 @@ class Pool:
         self.state = PoolState.STARTING
         self._server = PoolServer(secret, self.np, b"", settings, self._events,
                                    self.launcher.bind_host, self.launcher.advertised_host)
-        self.launcher.start(self.np, self._server.address, secret, self._events)
+        # Elastic: on Spark, each rank a job of its own, so that a lost one takes no other.
+        self.launcher.start(self.np, self._server.address, secret, self._events,
+                            elastic=self.min_np is not None)
         self._await_ring(0, REGISTER_TIMEOUT_S + FORM_RING_TIMEOUT_S, starting=True)
         self.state = PoolState.READY
 
@@ -385,7 +400,7 @@ class Pool:
 
     def _after_cell(self) -> None:
         if self._gone:
-            self._break(self._describe_gone(f"in cell {self.cells}"))
+            self._replace_or_break(f"in cell {self.cells}")
             return
         if self.state is PoolState.BROKEN:
             return
@@ -396,9 +411,11 @@ class Pool:
             except (PoolError, RankFailedError) as exc:
                 self._break(f"the ranks could not form a fresh ring after cell {self.cells}: {exc}")
 
-    def _await_ring(self, epoch: int, timeout_s: float, starting: bool = False) -> None:
-        """Every rank forms a fresh ring (epoch 0: they do at start, unasked)."""
-        if not starting:
+    def _await_ring(self, epoch: int, timeout_s: float, starting: bool = False,
+                    asked: bool = False) -> None:
+        """Every rank forms a fresh ring (epoch 0: they do at start, unasked; `asked`: the
+        caller has asked them)."""
+        if not starting and not asked:
             for rank in range(self.np):
                 self._server.send(rank, FormRing(epoch))
         formed: dict[int, CellEnded] = {}
@@ -460,7 +477,60 @@ class Pool:
             self.note_lost(rank, f"{self.hosts[rank] or 'its host'} stopped answering: no word "
                                  f"from the Spark task that runs it for {timeout:g} s")
         if self._gone:
-            self._break(self._describe_gone("while the pool was idle"))
+            self._replace_or_break("while the pool was idle")
+
+    def _replace_or_break(self, when: str) -> None:
+        """Ranks were lost: an elastic pool with `min_np` left replaces them; else it breaks."""
+        what = self._describe_gone(when)
+        left = self.np - len(self._gone)
+        if self.min_np is None:
+            self._break(what)
+        elif left < self.min_np:
+            self._break(f"{what}: {left} rank{'s' if left != 1 else ''} left, fewer than "
+                        f"min_np={self.min_np}")
+        else:
+            try:
+                self._replace_lost(what)
+            except (PoolError, RankFailedError) as exc:
+                self._break(f"{what}, and the pool could not replace them: {exc}")
+
+    def _replace_lost(self, what: str) -> None:
+        """Start a fresh rank in each lost one's place, then have every rank form a fresh ring
+        with the new peer table; the survivors keep their namespaces."""
+        lost = sorted(self._gone)
+        for rank in lost:
+            self._server.expect_again(rank)
+            self._liveness.forget(rank)
+            self.launcher.replace(rank)
+        deadline = time.monotonic() + REPLACEMENT_START_S
+        while not all(self._server.registration(rank) for rank in lost):
+            if time.monotonic() > deadline:
+                missing = [rank for rank in lost if not self._server.registration(rank)]
+                raise PoolError(f"{describe_ranks(missing)} did not start within "
+                                f"{REPLACEMENT_START_S:g} s ({self.launcher.where})")
+            try:
+                match self._events.get(timeout=0.1):
+                    case RankStarted(rank, host, pid):
+                        self.hosts[rank], self.pids[rank] = host, pid
+                    case RankOutput(rank, _, text) if CELL_END_MARK not in text:
+                        self._log(rank, text)
+            except queue.Empty:
+                pass
+        self._gone = {}
+        epoch = next(self._epochs)
+        peers = [(rank, *self._server.registration(rank)) for rank in range(self.np)]
+        for rank in range(self.np):
+            if rank in lost:
+                self._server.start_joined(rank, peers, rank, epoch)
+            else:
+                self._server.send(rank, FormRing(epoch, peers))
+        self._await_ring(epoch, FORM_RING_TIMEOUT_S, asked=True)
+        fresh = "a fresh rank, which starts" if len(lost) == 1 else "fresh ranks, which start"
+        names = f" ({', '.join(sorted(self.rank_names))})" if self.rank_names else ""
+        said = (f"{what}; {describe_ranks(lost)} replaced by {fresh} empty: what earlier "
+                f"cells assigned there{names} is gone; the other ranks keep theirs")
+        self.replaced.append(said)
+        print(f"ddl_magic pool: {said}", file=sys.stderr, flush=True)
 
     def _describe_gone(self, when: str) -> str:
         """'ranks 1 and 3 (host-b) were lost (host-b stopped answering ...) while the pool

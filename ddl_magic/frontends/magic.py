@@ -115,13 +115,15 @@ class HorovodMagics(Magics):
             %horovod restart            # fresh ranks, same options: their state is gone
             %horovod stop               # back to one-shot cells
 
-        `%horovod start -np N [--spark | --local] [--timeline [PATH]] [--env KEY=VALUE ...]
-        [--gpu]`: the options are the pool's, for every cell. In a pool, a failing rank's
+        `%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]]
+        [--env KEY=VALUE ...] [--gpu]`: the options are the pool's, for every cell. In a pool, a failing rank's
         traceback is shown and the other ranks' cells are stopped (their collectives end
         with an error naming it), the stop button interrupts every rank's cell, and
         `--timeout` stops the cell: the ranks stay up with their state, and the next cell
         runs on a fresh ring. A rank that dies (killed, crashed, its host gone) breaks the
-        pool: the other ranks are stopped, and `%horovod restart` starts fresh ones. The
+        pool: the other ranks are stopped, and `%horovod restart` starts fresh ones; in a
+        pool started with `--min-np M`, a fresh rank replaces it instead (it starts empty,
+        the others keep their state, and the cell says so) while M ranks are left. The
         same from Python: `pool = ddl_magic.start(np=2)`, `pool.run(fn, *args)`,
         `pool.pull(name)`, `pool.restart()`, `pool.stop()`, or `with ddl_magic.start(np=2)`.
         """
@@ -134,8 +136,11 @@ class HorovodMagics(Magics):
                                     "See %%horovod? for every option.") from None
         pool = active_pool()
         if pool is not None and (args.min_np is not None or args.max_np is not None):
-            raise HorovodUsageError("--min-np/--max-np are not built for a pool's cells yet: "
-                                    "%horovod stop the pool to run this cell elastic")
+            raise HorovodUsageError(
+                "--min-np/--max-np are not per cell in a pool: a pool is elastic from its start "
+                "(%horovod start -np N --min-np M replaces lost ranks between cells). For an "
+                "elastic loop that goes on within one cell (hvd.elastic.run), %horovod stop "
+                "the pool and run a one-shot cell: %%horovod -np N --min-np M")
         if pool is not None and args.max_restarts:
             raise HorovodUsageError(POOL_RESTARTS_REFUSED)
         if pool is not None:

@@ -29,7 +29,8 @@ from .runner import make_launcher
 
 
 def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
-          timeline: str | None = None, use_gpu: bool = False, quiet: bool = False) -> Pool:
+          timeline: str | None = None, use_gpu: bool = False, quiet: bool = False,
+          min_np: int | None = None) -> Pool:
     """Start `np` ranks that live between cells (Spark barrier tasks where `spark`, or where
     a SparkSession is active and `spark` is None; else local processes).
 
@@ -41,10 +42,13 @@ def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None 
         pool.stop()                      # or: with ddl_magic.start(np=2) as pool: ...
 
     `timeline=""` records every cell's timeline in the pool's log folder (a path: there).
+    `min_np` makes the pool elastic: a lost rank is replaced by a fresh one (which starts
+    empty; the others keep their state) while `min_np` ranks are left, instead of breaking
+    the pool; `pool.replaced` says what each replacement said.
     """
     display = _quiet_display if quiet else make_display
     return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
-                display=display).start()
+                display=display, min_np=min_np).start()
 
 
 def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
@@ -61,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     started.add_argument("--timeline", nargs="?", const="", metavar="PATH")
     started.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     started.add_argument("--gpu", action="store_true")
+    started.add_argument("--min-np", dest="min_np", type=int, metavar="N")
     # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
     started.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
     for name in ("stop", "status", "restart"):
@@ -76,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-LINE_USAGE = ("%horovod start -np N [--spark | --local] [--timeline [PATH]] [--env KEY=VALUE ...] "
-              "[--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
+LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]] "
+              "[--env KEY=VALUE ...] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
               "· %horovod restart · %horovod stop · %horovod auto [off]")
 
 
@@ -149,6 +154,9 @@ def _start(shell, args, usage_error) -> None:
         raise usage_error(POOL_RESTARTS_REFUSED)
     if args.spark and args.local:
         raise usage_error("choose one of --spark and --local")
+    if args.min_np is not None and not 1 <= args.min_np <= args.np:
+        raise usage_error(f"--min-np {args.min_np}: an elastic pool needs 1 <= min-np <= np "
+                          f"(np is {args.np}); e.g. %horovod start -np 4 --min-np 2")
     try:
         env = parse_env(args.env)
     except ValueError as exc:
@@ -158,10 +166,13 @@ def _start(shell, args, usage_error) -> None:
         raise PoolError(running.already_running())
     began = time.monotonic()
     pool = start(args.np, spark=True if args.spark else (False if args.local else None),
-                 env=env, timeline=args.timeline, use_gpu=args.gpu)
+                 env=env, timeline=args.timeline, use_gpu=args.gpu, min_np=args.min_np)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
           f"({pool.launcher.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")
+    if args.min_np is not None:
+        print(f"ddl_magic: elastic: a lost rank is replaced by a fresh, empty one while "
+              f"{args.min_np} are left; the others keep their state")
     print(status_table(pool.status()))
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import difflib
 import os
 import queue
@@ -51,6 +52,7 @@ import cloudpickle
 
 from ..runtime import context
 from ..runtime.errors import CollectiveAbortedError, CollectiveRefusedError
+from ..runtime.world import Peer
 from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from ..wire.messages import (CELL_END_MARK, Abort, CancelCell, CellEnded, Failed, FailureKind,
                              Finished, FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
@@ -65,13 +67,16 @@ INTERRUPT_FOR_S = 30.0
 
 
 def serve_cells(channel: Channel, rank: int, output, run_reporting: Callable,
-                flush_timeline: Callable[[], None], driver_time_ns: Callable[[], int]) -> int:
+                flush_timeline: Callable[[], None], driver_time_ns: Callable[[], int],
+                first_epoch: int = 0) -> int:
     """Serve the pool's requests until the driver stops the pool; the process then exits.
 
     `output` forwards what this rank writes (a context manager, `worker.py`'s);
-    `run_reporting(call, rank, return_all)` runs a cell and reports how it went.
+    `run_reporting(call, rank, return_all)` runs a cell and reports how it went;
+    `first_epoch`: the epoch of the first ring (0 at the pool's start; a replacement in an
+    elastic pool joins the survivors' fresh ring of a later one).
     """
-    loop = _CellLoop(channel, rank, run_reporting, flush_timeline, driver_time_ns)
+    loop = _CellLoop(channel, rank, run_reporting, flush_timeline, driver_time_ns, first_epoch)
     signal.signal(signal.SIGINT, loop.on_sigint)
     threading.Thread(target=loop.obey_driver, name="ddl-control", daemon=True).start()
     with output:
@@ -81,8 +86,10 @@ def serve_cells(channel: Channel, rank: int, output, run_reporting: Callable,
 
 class _CellLoop:
     def __init__(self, channel: Channel, rank: int, run_reporting: Callable,
-                 flush_timeline: Callable[[], None], driver_time_ns: Callable[[], int]):
+                 flush_timeline: Callable[[], None], driver_time_ns: Callable[[], int],
+                 first_epoch: int):
         self.channel = channel
+        self._first_epoch = first_epoch
         self.rank = rank
         self._run_reporting = run_reporting
         self._flush_timeline = flush_timeline
@@ -151,12 +158,15 @@ class _CellLoop:
             raise KeyboardInterrupt(self._stop_reason)
 
     def serve(self) -> None:
-        self._form_ring(0)  # the pool's start: the ring is formed once, here
+        self._form_ring(self._first_epoch)  # the pool's start: the ring is formed once, here
         # No timeout on waiting for the next request: the control thread ends this process
         # when the driver goes, and an idle rank costs nothing while it waits.
         while True:
             match self.inbox.get():
-                case FormRing(epoch):
+                case FormRing(epoch, peers):
+                    if peers is not None:  # an elastic pool replaced lost ranks
+                        context.bootstrap = dataclasses.replace(
+                            context.bootstrap, peers=[Peer(*peer) for peer in peers])
                     self._form_ring(epoch)
                 case RunCell() as cell:
                     self._run_cell(cell)

@@ -126,7 +126,9 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
         output = _LineBuffered() if parent_forwards_output else _ForwardedOutput(channel)
         if settings.timeline:
             start_timeline_shipping()
-        return serve_cells(channel, rank, output, run_reporting, _flush_timeline, _driver_time_ns)
+        # An elastic pool's replacement forms its first ring with the survivors' fresh one.
+        return serve_cells(channel, rank, output, run_reporting, _flush_timeline, _driver_time_ns,
+                           first_epoch=generation)
     threading.Thread(target=_obey_driver, args=(channel, plans), name="ddl-control",
                      daemon=True).start()
     if settings.timeline:

@@ -95,7 +95,8 @@ class Start:
     settings: RunSettings
     torch_master: tuple[str, int] | None
     # An elastic run's replacement joins a world that was re-formed: its rank there (None: the
-    # rank it registered as) and that world's generation.
+    # rank it registered as) and that world's generation (an elastic pool's: the epoch of the
+    # fresh ring it forms with the survivors).
     rank: int | None = None
     generation: int = 0
 
@@ -239,9 +240,11 @@ CELL_END_MARK = "\x1b[ddl_magic cell end]"
 @dataclass(frozen=True, slots=True)
 class FormRing:
     """Close whatever ring this rank has and form a fresh one with every rank (the pool's
-    start, and after a cell that left the ring unusable)."""
+    start, and after a cell that left the ring unusable). `peers`: the new peer table, when
+    an elastic pool replaced lost ranks (None: the same peers)."""
 
     epoch: int
+    peers: list[tuple[int, str, tuple[str, int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ The driver's side of a reset (the rank's side is here)
 
 Built for local runs and Spark: `driver/elastic.py` (the phases), `driver/elastic_plan.py`
 (the decisions, pure), `launch/local.py` and `launch/spark.py` (replacements), the messages
-in `wire/messages.py` and `rank/worker.py`'s `DriverRendezvous`. Still to build: elastic
-pools (8).
+in `wire/messages.py` and `rank/worker.py`'s `DriverRendezvous`; a pool's replacements
+(8) are `driver/pool.py`'s.
 
 A rank re-forms its world through the `ElasticRendezvous` that its worker installs
 (`rendezvous.install`) before the user's code runs. Without one, a rank uses `SameWorld`:
@@ -99,8 +99,8 @@ a lost rank ends the run as today. What the driver and the worker provide:
 
 8. **What a reset does not carry over.** Process sets (every rank adds them again, in a
    reset callback), `torch.distributed` groups over the `ddl` backend, and the timeline
-   recorder's ring-specific lanes; a pool's rank namespaces survive on survivors, and
-   replacements start empty (the pool must tell the user which ranks were replaced).
+   recorder's ring-specific lanes. An elastic pool (`%horovod start --min-np`) keeps the
+   survivors' namespaces; its replacements start empty, and the pool says which.
 """
 
 from ...runtime.errors import HorovodInternalError
