@@ -20,7 +20,6 @@ import dataclasses
 import os
 import queue
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from .display import DisplayFactory, text_display
 from .events import GroupRestarted
 from .host_probe import HostProbes
 from .records import new_records
-from .run_folders import prune_run_folders
+from .run_folders import new_run_folder
 from .run_result import RankFailedError, RunResult
 from .run_status import RunStatus
 from .tracking import finish_tracking, start_tracking, wants_tracking
@@ -56,6 +55,20 @@ def remember_run(record: RunResult) -> None:
     """`record` is the most recent run (a pool's cell: `pool.py`)."""
     global _last_run
     _last_run = record
+
+
+def ranks_environment(env: dict[str, str], use_gpu: bool) -> dict[str, str]:
+    """What every rank of a run (or pool) gets in its environment on top of the user's
+    `env`: the transport and peer timeout, checked here rather than first on every rank, and
+    passed on, since Spark executors do not inherit the notebook's environment."""
+    transport = transport_choice(env.get(TRANSPORT_VARIABLE, os.environ.get(TRANSPORT_VARIABLE)))
+    peer_timeout_s()  # a bad DDL_MAGIC_PEER_TIMEOUT is refused before anything starts
+    env = {**env, TRANSPORT_VARIABLE: transport}
+    if PEER_TIMEOUT_VARIABLE in os.environ:
+        env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
+    if use_gpu:
+        env["DDL_MAGIC_GPU"] = "1"
+    return env
 
 
 def check_max_restarts(max_restarts: int, elastic: bool) -> None:
@@ -121,20 +134,12 @@ class Job:
         check_max_restarts(options.max_restarts, options.elastic)
         self.launcher.check(self.np)  # before anything is created: a refused run leaves no trace
         bounds = self._elastic_bounds() if options.elastic else None
-        # Checked here, not first on every rank; and passed on, since Spark executors do not
-        # inherit the notebook's environment.
-        transport = transport_choice(options.env.get(TRANSPORT_VARIABLE,
-                                                     os.environ.get(TRANSPORT_VARIABLE)))
-        peer_timeout_s()  # a bad DDL_MAGIC_PEER_TIMEOUT is refused before anything starts
+        env = ranks_environment(options.env, options.use_gpu)
         tracking_wanted = wants_tracking(options.mlflow)  # and a missing mlflow, when asked for
         if options.use_gpu:
             self.launcher.check_gpus(self.np)
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        # Not "ddl_magic/...": a folder of that name in the working directory would shadow the
-        # package for ranks started there.
-        log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
-        prune_run_folders(os.path.dirname(log_dir))  # the oldest go; DDL_MAGIC_KEEP_RUNS says how many stay
-        os.makedirs(log_dir, exist_ok=True)
+        log_dir = new_run_folder(run_id)
         timeline_path = options.timeline_path
         if timeline_path is None:
             timeline_path = os.environ.get("HOROVOD_TIMELINE") or None
@@ -145,14 +150,9 @@ class Job:
         record.ranks = new_records(self.np, log_dir)
         _last_run = record
         events: queue.Queue = queue.Queue()
-        env = {**options.env, TRANSPORT_VARIABLE: transport}
-        if PEER_TIMEOUT_VARIABLE in os.environ:
-            env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
         record.mlflow = start_tracking(options.mlflow, record, options) if tracking_wanted else None
         if record.mlflow is not None:  # every rank logs into the run (the user's env wins)
             env = {**record.mlflow.rank_environment(), **env}
-        if options.use_gpu:
-            env["DDL_MAGIC_GPU"] = "1"
         if bounds is not None:  # the ranks bound their resets and waits as the driver does
             env[RESET_LIMIT_VARIABLE] = str(bounds.reset_limit)
             env[ELASTIC_TIMEOUT_VARIABLE] = repr(bounds.wait_s)

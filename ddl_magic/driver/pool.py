@@ -24,12 +24,8 @@ tasks fell silent for the peer timeout (`wire/liveness.py`, the judgement a cell
 makes too, and goes on with), breaks an idle pool at once, releasing its other ranks and
 its Spark slots; the tasks' reports never pile up in the queue.
 
-Why a lost rank breaks the pool instead of restarting it behind the user's back: a rank's
-namespace holds what earlier cells built (a model half trained); fresh ranks would run the
-next cell without it and fail further on, or worse, succeed on a different state. The user
-decides, with one command; or, starting the pool with `min_np`, decides up front that lost
-ranks are replaced (their code rebuilds what a replacement lacks, e.g. by broadcasting rank
-0's model), and is told each time which ranks were.
+Why a lost rank breaks the pool instead of restarting it behind the user's back, unless
+it was started elastic: `pool_losses.py`.
 
 Every message about a cell names its epoch (`wire/messages.py`): what a rank sends late
 about a stopped cell is never taken for the next cell's. Each rank's output for a cell ends
@@ -45,38 +41,36 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import enum
 import itertools
 import os
 import queue
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 
 from .attribution import describe_exit
 from .display import DisplayFactory, text_display
 from .events import (ProcessExited, RankFailed, RankOutput, RankProcessState, RankStarted,
                      describe_ranks)
-from .job import remember_run
-from .pool_server import LOST, CellEndedOn, CellEvents, PoolServer
+from .job import ranks_environment, remember_run
+from .pool_losses import describe_lost, replaced_message, why_not_replaced
+from .pool_server import LOST, CellEndedOn, CellEvents, PoolError, PoolServer
 from .records import RankStatus, new_records
-from .run_folders import prune_run_folders
+from .run_folders import new_run_folder
 from .run_result import RankFailedError, RunResult, RunTimeoutError
 from .run_status import RunStatus
 from .watcher import REGISTER_TIMEOUT_S, RunWatcher
-from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..timeline.chrome import join_traces
-from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
+from ..wire.channel import new_secret, peer_timeout_s
 from ..wire.elastic_settings import REPLACEMENT_START_S
 from ..wire.liveness import LivenessWatch, ProcessState, report_interval_s
-from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, Pull,
-                             RunCell, RunSettings)
+from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, RunCell, RunSettings)
 
 # After a cell was stopped, how long its ranks may take to end it. One that has not by then
 # is stuck where no interrupt reaches (native code): the pool is broken, and stopped.
@@ -95,10 +89,6 @@ class PoolState(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-class PoolError(RuntimeError):
-    """The pool cannot do what was asked; the message says why and what to do."""
 
 
 class PoolBrokenError(PoolError):
@@ -193,23 +183,14 @@ class Pool:
             self.launcher = type(self.launcher)()
             self._launcher_stopped = False
         self.launcher.check(self.np)
-        transport = transport_choice(self.env.get(TRANSPORT_VARIABLE,
-                                                  os.environ.get(TRANSPORT_VARIABLE)))
-        peer_timeout_s()
+        env = ranks_environment(self.env, self.use_gpu)
         if self.use_gpu:
             self.launcher.check_gpus(self.np)
         pool_id = "pool-" + time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         self.pool_id = pool_id
-        self.log_dir = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", pool_id)
-        prune_run_folders(os.path.dirname(self.log_dir))
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_dir = new_run_folder(pool_id)
         if self.timeline_path == "":
             self.timeline_path = os.path.join(self.log_dir, "timeline")
-        env = {**self.env, TRANSPORT_VARIABLE: transport}
-        if PEER_TIMEOUT_VARIABLE in os.environ:
-            env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
-        if self.use_gpu:
-            env["DDL_MAGIC_GPU"] = "1"
         settings = RunSettings(pool_id, env, timeline=self.timeline_path is not None,
                                return_all=False, pool=True)
         secret = new_secret()
@@ -481,18 +462,15 @@ class Pool:
 
     def _replace_or_break(self, when: str) -> None:
         """Ranks were lost: an elastic pool with `min_np` left replaces them; else it breaks."""
-        what = self._describe_gone(when)
-        left = self.np - len(self._gone)
-        if self.min_np is None:
-            self._break(what)
-        elif left < self.min_np:
-            self._break(f"{what}: {left} rank{'s' if left != 1 else ''} left, fewer than "
-                        f"min_np={self.min_np}")
-        else:
-            try:
-                self._replace_lost(what)
-            except (PoolError, RankFailedError) as exc:
-                self._break(f"{what}, and the pool could not replace them: {exc}")
+        what = describe_lost(self._gone, self.hosts, when)
+        why_not = why_not_replaced(self.np, len(self._gone), self.min_np)
+        if why_not is not None:
+            self._break(f"{what}: {why_not}" if why_not else what)
+            return
+        try:
+            self._replace_lost(what)
+        except (PoolError, RankFailedError) as exc:
+            self._break(f"{what}, and the pool could not replace them: {exc}")
 
     def _replace_lost(self, what: str) -> None:
         """Start a fresh rank in each lost one's place, then have every rank form a fresh ring
@@ -503,19 +481,16 @@ class Pool:
             self._liveness.forget(rank)
             self.launcher.replace(rank)
         deadline = time.monotonic() + REPLACEMENT_START_S
-        while not all(self._server.registration(rank) for rank in lost):
+        while missing := [rank for rank in lost if not self._server.registration(rank)]:
             if time.monotonic() > deadline:
-                missing = [rank for rank in lost if not self._server.registration(rank)]
                 raise PoolError(f"{describe_ranks(missing)} did not start within "
                                 f"{REPLACEMENT_START_S:g} s ({self.launcher.where})")
-            try:
+            with contextlib.suppress(queue.Empty):
                 match self._events.get(timeout=0.1):
                     case RankStarted(rank, host, pid):
                         self.hosts[rank], self.pids[rank] = host, pid
                     case RankOutput(rank, _, text) if CELL_END_MARK not in text:
                         self._log(rank, text)
-            except queue.Empty:
-                pass
         self._gone = {}
         epoch = next(self._epochs)
         peers = [(rank, *self._server.registration(rank)) for rank in range(self.np)]
@@ -525,23 +500,9 @@ class Pool:
             else:
                 self._server.send(rank, FormRing(epoch, peers))
         self._await_ring(epoch, FORM_RING_TIMEOUT_S, asked=True)
-        fresh = "a fresh rank, which starts" if len(lost) == 1 else "fresh ranks, which start"
-        names = f" ({', '.join(sorted(self.rank_names))})" if self.rank_names else ""
-        said = (f"{what}; {describe_ranks(lost)} replaced by {fresh} empty: what earlier "
-                f"cells assigned there{names} is gone; the other ranks keep theirs")
+        said = replaced_message(what, lost, self.rank_names)
         self.replaced.append(said)
         print(f"ddl_magic pool: {said}", file=sys.stderr, flush=True)
-
-    def _describe_gone(self, when: str) -> str:
-        """'ranks 1 and 3 (host-b) were lost (host-b stopped answering ...) while the pool
-        was idle': the lost ranks by host, each host's with its first rank's reason."""
-        by_host: dict[str, list[int]] = {}
-        for rank in sorted(self._gone):
-            by_host.setdefault(self.hosts[rank], []).append(rank)
-        return "; ".join(
-            f"{describe_ranks(ranks)}{f' ({host})' if host else ''} "
-            f"{'was' if len(ranks) == 1 else 'were'} lost ({self._gone[ranks[0]]}) {when}"
-            for host, ranks in by_host.items())
 
     def _break(self, reason: str) -> None:
         """A rank was lost: stop the others now, and say so at the next cell."""
@@ -598,15 +559,7 @@ class Pool:
         ranks = list(range(self.np)) if all_ranks else [rank]
         if not all(0 <= r < self.np for r in ranks):
             raise PoolError(f"--rank {rank}: this pool has ranks 0 to {self.np - 1}")
-        replies = self._server.ask(ranks, lambda request_id: Pull(request_id, name), PULL_TIMEOUT_S)
-        values = []
-        for r in ranks:
-            reply = replies.get(r)
-            if reply is None:
-                raise PoolError(f"rank {r} did not answer within {PULL_TIMEOUT_S:.0f} s")
-            if reply.error:
-                raise KeyError(reply.error) if "has no name" in reply.error else PoolError(reply.error)
-            values.append(cloudpickle.loads(reply.value))
+        values = self._server.pull(ranks, name, PULL_TIMEOUT_S)
         return values if all_ranks else values[0]
 
     def status(self) -> list[RankInfo]:

@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import collections
 import itertools
+from typing import Any
 import queue
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import cloudpickle
+
 from .attribution import FAILURE_SETTLE_S, LAST_WORDS_TIMEOUT_S, describe_exit
 from .control import ControlServer
 from .events import FailureKind, ProcessExited, RankFailed, RankFinished, RankOutput
 from ..wire.channel import ABORTED_EXIT_CODE, Channel
-from ..wire.messages import CELL_END_MARK, CancelCell, CellEnded, Failed, Finished, ProbeReply, Pulled
+from ..wire.messages import (CELL_END_MARK, CancelCell, CellEnded, Failed, Finished, ProbeReply,
+                             Pull, Pulled)
 
 # How long a cell's end waits for the marks that close each rank's output.
 OUTPUT_MARKS_TIMEOUT_S = 2.0
 # The failures that lose a rank for good: the pool is broken.
 LOST = (FailureKind.VANISHED, FailureKind.UNREACHABLE, FailureKind.DIED)
+
+
+class PoolError(RuntimeError):
+    """The pool cannot do what was asked; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,20 @@ class PoolServer(ControlServer):
             for request_id in ids:
                 self._answers.pop(request_id, None)
         return replies
+
+    def pull(self, ranks: list[int], name: str, timeout_s: float) -> list[Any]:
+        """The value of `name` on each of `ranks`: KeyError where a rank has no such name,
+        PoolError where one cannot send it or does not answer in time."""
+        replies = self.ask(ranks, lambda request_id: Pull(request_id, name), timeout_s)
+        values = []
+        for rank in ranks:
+            reply = replies.get(rank)
+            if reply is None:
+                raise PoolError(f"rank {rank} did not answer within {timeout_s:.0f} s")
+            if reply.error:
+                raise KeyError(reply.error) if "has no name" in reply.error else PoolError(reply.error)
+            values.append(cloudpickle.loads(reply.value))
+        return values
 
     def _relay_other(self, rank: int, message: object) -> bool:
         match message:

@@ -6,7 +6,7 @@ never removed: it may be a run going on in another notebook.
 
 Example::
 
-    prune_run_folders("/tmp/ddl_magic-runs")     # before making this run's folder
+    log_dir = new_run_folder(run_id)     # the oldest pruned first
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 import time
 
 KEEP_RUNS_VARIABLE = "DDL_MAGIC_KEEP_RUNS"
@@ -21,6 +22,16 @@ DEFAULT_KEEP_RUNS = 50
 RECENT_S = 600.0
 # Only folders named as runs are (run ids start with the time, so names sort by age).
 _RUN_FOLDER = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")
+
+
+def new_run_folder(run_id: str) -> str:
+    """A new folder for the run `run_id` under ``<tmp>/ddl_magic-runs``, made once the oldest
+    were pruned. Not "ddl_magic/...": a folder of that name in the working directory would
+    shadow the package for ranks started there."""
+    folder = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
+    prune_run_folders(os.path.dirname(folder))
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def runs_to_keep() -> int:
