@@ -19,7 +19,9 @@ def train_with_faults(log_dir, faults, steps=STEPS):
     """SGD on data that depends on the step only, so every world computes the same step; a
     commit after every step. `faults`: (kind, rank, step, once) — at that step the rank of
     that number SIGKILLs itself ("kill"), stops itself ("stop") or raises ("raise"), once (a marker file), or at that
-    step and every later one. Returns the weights, the steps done, the world's size and this rank's step times."""
+    step and every later one; "kill_in_reset": that rank SIGKILLs itself in its first reset
+    callback (the world was just re-formed; the others wait in the state's sync). Returns the
+    weights, the steps done and the world's size."""
     import signal
 
     import torch
@@ -33,17 +35,21 @@ def train_with_faults(log_dir, faults, steps=STEPS):
                                          named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, optimizer, step=0)
 
-    def fault_now(step):
+    def fault_now(step, in_reset=False):
         for number, (kind, rank, at_step, once) in enumerate(faults):
             marker = os.path.join(log_dir, f"fault-{number}")
-            due = step == at_step if once else step >= at_step
+            if (kind == "kill_in_reset") != in_reset:
+                continue
+            due = in_reset or (step == at_step if once else step >= at_step)
             if hvd.rank() == rank and due and not (once and os.path.exists(marker)):
                 with open(marker, "w") as f:
                     f.write(repr(time.time()))
-                if kind in ("kill", "stop"):
-                    os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                if kind in ("kill", "stop", "kill_in_reset"):
+                    os.kill(os.getpid(), signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
                     continue  # (SIGSTOP: until the driver kills it)
                 raise RuntimeError(f"rank {rank} fails at step {step}")
+
+    state.register_reset_callbacks([lambda: fault_now(state.step, in_reset=True)])
 
     @hvd.elastic.run
     def train(state):
@@ -127,6 +133,17 @@ def test_two_ranks_lost_at_once_are_both_replaced_in_one_reset(tmp_path):
     assert_trained_as_committed(result)
     (reset,) = runner.last_run.resets
     assert reset.left == (1, 2) and reset.joined == (2, 3) and reset.slots == (0, 3, 1, 2)
+
+
+def test_a_rank_lost_during_a_reset_starts_the_next_reset(tmp_path):
+    runner, result = elastic_run(4, [("kill", 1, 4, True), ("kill_in_reset", 2, 0, True)],
+                                 tmp_path, min_np=2)
+    assert_trained_as_committed(result)
+    first, second = runner.last_run.resets
+    assert first.left == (1,) and first.joined == (3,) and first.size == 4
+    # Rank 2 of the re-formed world died in its reset callback, before the state's sync.
+    assert second.left == (2,) and "SIGKILL" in second.reasons[0] and second.size == 4
+    assert [r.status for r in runner.last_run.ranks] == ["done"] * 4
 
 
 def test_a_stopped_rank_is_killed_after_the_peer_timeout_and_replaced_with_the_dead_one(
