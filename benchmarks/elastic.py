@@ -306,19 +306,21 @@ def measure_kills(repeats: int) -> list[dict]:
     return results
 
 
-def measure_throughput(steps: int, warmup: int, repeats: int) -> dict[str, list[dict]]:
+def measure_throughput(steps: int, warmup: int, repeats: int, np: int) -> dict[str, list[dict]]:
+    min_np = min(MIN_NP, np)
+
     def side(fn, min_np=None, **kwargs):
         def measure() -> dict:
             load = os.getloadavg()[0]
-            result, _ = run_quietly(fn, NP, min_np, steps=steps, warmup=warmup, **kwargs)
-            if result["size"] != NP:
-                raise RuntimeError(f"{fn.__name__} ran on {result['size']} ranks, not {NP}")
+            result, _ = run_quietly(fn, np, min_np, steps=steps, warmup=warmup, **kwargs)
+            if result["size"] != np:
+                raise RuntimeError(f"{fn.__name__} ran on {result['size']} ranks, not {np}")
             return dict(result, load_average=load)
         return measure
 
     plain, every_step, every_10, control = interleaved(
-        repeats, side(train_plain), side(train_elastic, MIN_NP, commit_every=1),
-        side(train_elastic, MIN_NP, commit_every=10), side(train_plain_with_check))
+        repeats, side(train_plain), side(train_elastic, min_np, commit_every=1),
+        side(train_elastic, min_np, commit_every=10), side(train_plain_with_check))
     return {"plain": plain, "elastic, commit every step": every_step,
             "elastic, commit every 10 steps": every_10, CONTROL: control}
 
@@ -332,7 +334,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first (default 20)")
     parser.add_argument("--repeats", type=int,
                         help="runs of each throughput side, interleaved (default 4, --quick 1)")
+    parser.add_argument("--throughput-np", type=int, default=NP, metavar="N",
+                        help=f"ranks of the steps/s sides and the commit blocks (default {NP}, "
+                             "as the kills; on a 2-core machine 2 gives each rank a core)")
     args = parser.parse_args()
+    throughput_np = args.throughput_np
     kills = args.kills or (2 if args.quick else 5)
     steps = args.steps or (50 if args.quick else 300)
     repeats = args.repeats or (1 if args.quick else 4)
@@ -341,8 +347,9 @@ def main() -> None:
 
     started = time.monotonic()
     recoveries = measure_kills(kills)
-    sides = measure_throughput(steps, args.warmup, repeats)
-    blocks, _ = run_quietly(train_commit_blocks, NP, MIN_NP, rounds=block_rounds,
+    sides = measure_throughput(steps, args.warmup, repeats, throughput_np)
+    blocks, _ = run_quietly(train_commit_blocks, throughput_np, min(MIN_NP, throughput_np),
+                            rounds=block_rounds,
                             per_block=BLOCK_STEPS, warmup=args.warmup)
     wall_s = time.monotonic() - started
 
@@ -389,7 +396,8 @@ def main() -> None:
     for kind, cost in block_costs.items():
         rows.append([f"  + {kind} after every step", f"+{cost['added_ms_per_step']:.2f} ms "
                      f"= {cost['ratio']:.3f}x steps/s", "", ""])
-    print_table(f"Elastic runs, np={NP} local, min_np={MIN_NP}: MLP 784-512-512-10, SGD with "
+    print_table(f"Elastic runs, np={NP} local, min_np={MIN_NP} (steps/s and blocks: np="
+                f"{throughput_np}): MLP 784-512-512-10, SGD with "
                 f"momentum, batch 64 per rank ({steps} timed steps per run, best of {repeats}; "
                 f"load average {load_at_start:.1f} at start, {os.getloadavg()[0]:.1f} at end, "
                 f"{os.cpu_count()} CPUs)",
@@ -411,14 +419,16 @@ def main() -> None:
         "kill_to_next_step": {"target_s": TARGET_RECOVERY_S, "killed_rank": KILLED_RANK,
                               "kill_at_epoch_batch": KILL_AT, "batches_per_epoch": BATCHES_PER_EPOCH,
                               **recovery, "runs": recoveries},
-        "throughput": {"steps": steps, "warmup": args.warmup, "repeats": repeats,
+        "throughput": {"np": throughput_np, "steps": steps, "warmup": args.warmup,
+                       "repeats": repeats,
                        "target_ratio": TARGET_RATIO, "runs": sides,
                        "best_steps_per_s": {name: run["steps_per_s"] for name, run in best.items()},
                        "ratio_to_plain": ratios, "ratio_to_plain_each_round": round_ratios},
         "commit_blocks": {"rounds": block_rounds, "steps_per_block": BLOCK_STEPS,
                           "plain_per_step_s": base_blocks, "kinds": block_costs},
         "commit": {"megabytes": commit_mb, "median_us": commit_us, "save_median_us": save_us,
-                   "save_us_per_mb": save_us / commit_mb, "ranks": NP, "measured_on": "rank 0"},
+                   "save_us_per_mb": save_us / commit_mb, "ranks": throughput_np,
+                   "measured_on": "rank 0"},
         "wall_s": wall_s,
     })
     print(f"\nwrote {path}")

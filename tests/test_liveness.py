@@ -58,6 +58,24 @@ def test_between_a_pools_cells_only_silence_is_judged_and_a_stop_waits_for_the_n
     assert watch.verdicts(now=LIMIT_S) == [(0, Verdict.STOPPED)]  # still there to judge
 
 
+def test_a_hosts_ranks_fall_silent_together_and_are_judged_together():
+    """Their tasks' last reports came a moment apart: both go at the first verdict (a pool
+    then says "ranks 1 and 3 (host-b) were lost"), and a rank elsewhere, or one of the host
+    heard since, stays."""
+    interval = TIMEOUT_S / 8
+    watch = LivenessWatch(TIMEOUT_S)
+    hosts = ["a", "b", "a", "b", "b"]
+    for rank, heard_at in ((0, 100.0), (1, 100.0), (2, 100.0), (3, 100.0 + interval * 0.5)):
+        watch.reported(rank, ProcessState.RUNNING, now=heard_at, periodic=True)
+    now = 100.0 + LIMIT_S
+    watch.reported(0, ProcessState.RUNNING, now=now, periodic=True)  # host a still answers
+    watch.reported(2, ProcessState.RUNNING, now=now, periodic=True)
+    watch.reported(4, ProcessState.RUNNING, now=now - interval, periodic=True)  # just heard
+    assert watch.verdicts(now=now, hosts=hosts) == [(1, Verdict.OWNER_SILENT),
+                                                    (3, Verdict.OWNER_SILENT)]
+    assert watch.verdicts(now=now + interval, hosts=hosts) == []
+
+
 def test_a_finished_rank_is_judged_no_more():
     watch = LivenessWatch(TIMEOUT_S)
     watch.reported(0, ProcessState.STOPPED, now=0.0, periodic=True)

@@ -454,7 +454,8 @@ class Pool:
                 case RankOutput(rank, _, text) if CELL_END_MARK not in text:
                     self._log(rank, text)
         timeout = self._liveness.peer_timeout_s
-        for rank, _ in self._liveness.verdicts(time.monotonic(), stopped_too=False):
+        for rank, _ in self._liveness.verdicts(time.monotonic(), stopped_too=False,
+                                               hosts=self.hosts):
             self.note_lost(rank, f"{self.hosts[rank] or 'its host'} stopped answering: no word "
                                  f"from the Spark task that runs it for {timeout:g} s")
         if self._gone:

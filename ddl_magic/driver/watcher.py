@@ -136,7 +136,8 @@ class RunWatcher:
     def _judge_liveness(self) -> None:
         """Fail the ranks whose owners saw them stopped, or fell silent, for the peer timeout."""
         timeout = self._liveness.peer_timeout_s
-        for rank, verdict in self._liveness.verdicts(time.monotonic()):
+        hosts = [rank.host for rank in self.record.ranks]
+        for rank, verdict in self._liveness.verdicts(time.monotonic(), hosts=hosts):
             record = self.record.ranks[rank]
             if record.ended:
                 continue

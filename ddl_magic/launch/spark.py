@@ -243,8 +243,11 @@ class SparkLauncher:
             self._jobs.cancel(self._job_tag)
             for job in self._rank_jobs.values():
                 self._jobs.cancel(job.tag)
+            # One deadline for all: a job whose executor is out of reach ends only when Spark
+            # gives the executor up (spark.network.timeout), and its thread is a daemon.
+            deadline = time.monotonic() + STOP_TIMEOUT_S
             for thread in self._threads:
-                thread.join(timeout=STOP_TIMEOUT_S)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._threads, self._rank_jobs, self._start_task = [], {}, None
 
     def _conf(self, key: str, default: str | None = None) -> str | None:

@@ -125,10 +125,22 @@ class LivenessWatch:
         """The rank has ended (or finished): nothing more to judge."""
         self._ranks.pop(rank, None)
 
-    def verdicts(self, now: float, stopped_too: bool = True) -> list[tuple[int, Verdict]]:
+    def verdicts(self, now: float, stopped_too: bool = True,
+                 hosts: list[str] | None = None) -> list[tuple[int, Verdict]]:
         """The ranks that are failed by now, each named once. `stopped_too=False`: only those
         whose owner fell silent (a pool between cells: a stopped rank that runs nothing harms
-        nobody, and the next cell judges it)."""
+        nobody, and the next cell judges it).
+
+        `hosts` (each rank's): a host's ranks fall silent together, their owners' last reports
+        a moment apart. When one is judged silent, those of its host that have missed a
+        report since go with it, instead of a report interval later, one by one.
+
+        >>> watch = LivenessWatch(peer_timeout_s=8.0)
+        >>> for rank, heard_at in ((0, 100.0), (1, 100.4), (2, 100.9)):
+        ...     watch.reported(rank, ProcessState.RUNNING, now=heard_at, periodic=True)
+        >>> watch.verdicts(now=107.1, hosts=["b", "b", "a"])
+        [(0, <Verdict.OWNER_SILENT: 'owner silent'>), (1, <Verdict.OWNER_SILENT: 'owner silent'>)]
+        """
         failed = []
         for rank, seen in self._ranks.items():
             if seen.reports_periodically and now - seen.heard_at >= self._limit_s:
@@ -136,6 +148,13 @@ class LivenessWatch:
             elif (stopped_too and seen.stopped_since is not None
                   and now - seen.stopped_since >= self._limit_s):
                 failed.append((rank, Verdict.STOPPED))
+        silent_hosts = {hosts[rank] for rank, verdict in failed  # ("": not known yet)
+                        if hosts is not None and verdict is Verdict.OWNER_SILENT and hosts[rank]}
+        missed_a_report_s = 1.5 * report_interval_s(self.peer_timeout_s)
+        for rank, seen in self._ranks.items():
+            if (silent_hosts and hosts[rank] in silent_hosts and seen.reports_periodically
+                    and rank not in dict(failed) and now - seen.heard_at >= missed_a_report_s):
+                failed.append((rank, Verdict.OWNER_SILENT))
         for rank, _ in failed:
             del self._ranks[rank]
         return failed
