@@ -158,39 +158,39 @@ class SparkLauncher:
                                  self._data is not None)
         if not elastic:
             self._submit(self._job_tag, f"ddl_magic: {np} ranks",
-                         self._jobs.barrier_stage(np, task, self._data), events, failed_rank=None)
+                         self._jobs.barrier_stage(np, task, self._data), events, slot=None)
             return
         self._rank_jobs = {}
 
         def start_rank(slot: int) -> None:
             job = self._rank_jobs[slot] = _RankJob(f"{self._job_tag}-{slot}-{next(self._job_numbers)}")
             job.thread = self._submit(job.tag, f"ddl_magic: rank slot {slot}",
-                                      self._jobs.rank_job(slot, task), events, failed_rank=slot)
+                                      self._jobs.rank_job(slot, task), events, slot=slot)
 
         self._start_task = start_rank
         for slot in range(np):
             start_rank(slot)
 
     def _submit(self, tag: str, description: str, run_tasks: Callable[[], list[dict]],
-                events: queue.Queue, failed_rank: int | None) -> threading.Thread:
+                events: queue.Queue, slot: int | None) -> threading.Thread:
         """Run a Spark job on a thread of its own; tell the run how its tasks ended, or why
-        the job failed (`failed_rank`: whose job it is, None: a barrier stage's)."""
+        the job failed (`slot`: the rank slot whose job it is; None: a barrier stage's)."""
 
         def run_job() -> None:
             self._jobs.tag_this_thread(tag, description)
             try:
                 ended = run_tasks()
             except Exception as exc:  # whatever ended the job, the run must hear of it
-                superseded = failed_rank is not None and self._superseded(failed_rank, tag)
+                superseded = slot is not None and self._superseded(slot, tag)
                 if not self._stopping.is_set() and not superseded:
                     rank, reason, details = _describe_spark_error(exc)
                     # An executor that died took its ranks with it (the driver names its host).
                     kind = (FailureKind.VANISHED if "ExecutorLostFailure" in details
                             else FailureKind.TASK_FAILED)
-                    events.put(RankFailed(rank if failed_rank is None else failed_rank, "",
+                    events.put(RankFailed(rank if slot is None else slot, "",
                                           kind, details, reason, at_ns=time.monotonic_ns()))
                 return
-            if failed_rank is not None and self._superseded(failed_rank, tag):
+            if slot is not None and self._superseded(slot, tag):
                 return
             for task_end in ended:  # what the control server has not heard already
                 if not task_end["reported"]:
