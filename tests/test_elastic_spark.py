@@ -98,6 +98,7 @@ def test_a_killed_rank_is_replaced_by_a_new_task_that_joins_at_a_commit(spark, t
     assert grown.left == () and grown.joined == (1,) and grown.size == 2
     assert grown.slots == (0, 1)
     assert [rank.status for rank in runner.last_run.ranks] == ["done", "done"]
+    assert runner.last_run.where == "Spark tasks, one job per rank"
     with open(tmp_path / "killed") as f:
         killed_at = float(f.read())
     after = [when for when, _, _ in steps_logged(tmp_path) if when > killed_at]

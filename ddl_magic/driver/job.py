@@ -145,7 +145,8 @@ class Job:
             timeline_path = os.environ.get("HOROVOD_TIMELINE") or None
         if timeline_path == "":  # asked for, no path given: keep it with the run's logs
             timeline_path = os.path.join(log_dir, "timeline.json")
-        record = RunResult(run_id, self.np, self.launcher.where, log_dir=log_dir,
+        where = self.launcher.where if bounds is None else self.launcher.elastic_where
+        record = RunResult(run_id, self.np, where, log_dir=log_dir,
                            timeline_path=timeline_path)
         record.ranks = new_records(self.np, log_dir)
         _last_run = record

@@ -135,6 +135,7 @@ class Pool:
         self.min_np = min_np  # elastic: lost ranks are replaced while min_np are left
         self.replaced: list[str] = []  # what each replacement of lost ranks said
         self.launcher = launcher
+        self.where = launcher.where  # in words, for messages (an elastic pool's: at its start)
         self.env = dict(env or {})
         self.timeline_path = timeline_path
         self.use_gpu = use_gpu
@@ -183,6 +184,7 @@ class Pool:
             self.launcher = type(self.launcher)()
             self._launcher_stopped = False
         self.launcher.check(self.np)
+        self.where = self.launcher.elastic_where if self.min_np else self.launcher.where
         env = ranks_environment(self.env, self.use_gpu)
         if self.use_gpu:
             self.launcher.check_gpus(self.np)
@@ -302,7 +304,7 @@ class Pool:
         os.makedirs(cell_dir, exist_ok=True)
         timeline = f"{self.timeline_path}-cell-{self.cells}.json" if self.timeline_path else None
         record = RunResult(f"{self.pool_id}-cell-{self.cells}", self.np,
-                           f"{self.launcher.where} (pool)", log_dir=cell_dir, timeline_path=timeline)
+                           f"{self.where} (pool)", log_dir=cell_dir, timeline_path=timeline)
         record.ranks = new_records(self.np, cell_dir)
         remember_run(record)  # `last_run()` is the last cell
         display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
@@ -407,7 +409,7 @@ class Pool:
             if left <= 0:
                 missing = sorted(set(range(self.np)) - set(formed))
                 raise PoolError(f"ranks {missing} did not {'start' if starting else 'form a ring'} "
-                                f"within {timeout_s:.0f} s ({self.launcher.where}); their output "
+                                f"within {timeout_s:.0f} s ({self.where}); their output "
                                 f"is in {self.log_dir}")
             try:
                 event = self._events.get(timeout=left)
@@ -464,8 +466,7 @@ class Pool:
     def _replace_or_break(self, when: str) -> None:
         """Ranks were lost: an elastic pool with `min_np` left replaces them; else it breaks."""
         what = describe_lost(self._gone, self.hosts, when)
-        why_not = why_not_replaced(self.np, len(self._gone), self.min_np)
-        if why_not is not None:
+        if (why_not := why_not_replaced(self.np, len(self._gone), self.min_np)) is not None:
             self._break(f"{what}: {why_not}" if why_not else what)
             return
         try:
@@ -485,7 +486,7 @@ class Pool:
         while missing := [rank for rank in lost if not self._server.registration(rank)]:
             if time.monotonic() > deadline:
                 raise PoolError(f"{describe_ranks(missing)} did not start within "
-                                f"{REPLACEMENT_START_S:g} s ({self.launcher.where})")
+                                f"{REPLACEMENT_START_S:g} s ({self.where})")
             with contextlib.suppress(queue.Empty):
                 match self._events.get(timeout=0.1):
                     case RankStarted(rank, host, pid):
@@ -529,7 +530,7 @@ class Pool:
                     "`%horovod restart` for fresh ranks with its options, or `%horovod stop` "
                     "it before starting another")
         return (f"a pool of {self.np} ranks is already {self.state.value} "
-                f"({self.launcher.where}): run cells on it, `%horovod restart` for fresh "
+                f"({self.where}): run cells on it, `%horovod restart` for fresh "
                 "ranks, or `%horovod stop` it before starting another")
 
     def _log(self, rank: int, text: str) -> None:

@@ -168,7 +168,7 @@ def _start(shell, args, usage_error) -> None:
     pool = start(args.np, spark=True if args.spark else (False if args.local else None),
                  env=env, timeline=args.timeline, use_gpu=args.gpu, min_np=args.min_np)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
-          f"({pool.launcher.where}); %%horovod cells now run on them, and what a cell assigns "
+          f"({pool.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")
     if args.min_np is not None:
         print(f"ddl_magic: elastic: a lost rank is replaced by a fresh, empty one while "

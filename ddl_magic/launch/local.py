@@ -134,7 +134,7 @@ class LocalLauncher:
 
     bind_host = "127.0.0.1"
     advertised_host = "127.0.0.1"
-    where = "local processes"
+    where = elastic_where = "local processes"
     # The rank factory reads every rank's output and reports its exit after all of it.
     forwards_output = True
 

@@ -80,6 +80,7 @@ class SparkLauncher:
     """
 
     where = "Spark barrier tasks"
+    elastic_where = "Spark tasks, one job per rank"  # where an elastic run's ranks are
     forwards_output = True  # each task relays its rank's output, then its exit
     replacements_join_later = True  # an elastic run's replacement waits for a free slot
 
