@@ -237,10 +237,9 @@ class ControlServer:
             while True:
                 message = channel.recv()
                 rank = getattr(message, "rank", None)
-                if isinstance(message, TaskStarted) and isinstance(rank, int):
-                    with self._lock:
-                        self._task_of[rank] = channel
                 with self._lock:
+                    if isinstance(message, TaskStarted) and isinstance(rank, int):
+                        self._task_of[rank] = channel
                     if self._task_of.get(rank) is not channel:
                         return  # a lost rank's task, replaced: old news
                 match message:

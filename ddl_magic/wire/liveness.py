@@ -151,9 +151,10 @@ class LivenessWatch:
         silent_hosts = {hosts[rank] for rank, verdict in failed  # ("": not known yet)
                         if hosts is not None and verdict is Verdict.OWNER_SILENT and hosts[rank]}
         missed_a_report_s = 1.5 * report_interval_s(self.peer_timeout_s)
+        judged = {rank for rank, _ in failed}
         for rank, seen in self._ranks.items():
             if (silent_hosts and hosts[rank] in silent_hosts and seen.reports_periodically
-                    and rank not in dict(failed) and now - seen.heard_at >= missed_a_report_s):
+                    and rank not in judged and now - seen.heard_at >= missed_a_report_s):
                 failed.append((rank, Verdict.OWNER_SILENT))
         for rank, _ in failed:
             del self._ranks[rank]
