@@ -24,18 +24,25 @@ from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RunResult
 from ..launch import spark_session
 from ..launch.local import LocalLauncher
+from ..launch.shares import RunData, is_dataset, prepare_shares
 from ..driver.tracking import check_setting
 
 
-def make_launcher(spark: bool | None):
-    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active)."""
+def make_launcher(spark: bool | None, data: RunData | None = None):
+    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active);
+    `data`: the run's datasets, whose Spark DataFrames the barrier stage then runs over."""
     if spark is None:
         spark = spark_session() is not None
     if not spark:
         return LocalLauncher()
     from ..launch.spark import SparkLauncher
 
-    return SparkLauncher()
+    return SparkLauncher(data=data.spark_stage if data is not None else None)
+
+
+def wants_spark(spark: bool | None) -> bool:
+    """Whether a run whose front-end said `spark` (None: not said) runs on Spark."""
+    return spark_session() is not None if spark is None else spark
 
 
 class HorovodRunner:
@@ -81,11 +88,25 @@ class HorovodRunner:
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
-        """Run `main(**kwargs)` on every rank and return rank 0's return value."""
+        """Run `main(**kwargs)` on every rank and return rank 0's return value.
+
+        A keyword whose value is a Spark or pandas DataFrame, or `ddl_magic.data.Data(...)`
+        (a path, or chosen columns), reaches `main` on each rank as that rank's share of it,
+        a `ddl_magic.data.Share`: `run(main, train=df)`, then in `main`,
+        `for batch in train.loader(batch_size=256): ...`.
+        """
         if not callable(main):
             raise TypeError(f"HorovodRunner.run needs a function, got {type(main).__name__}")
-        payload = capture_function(main, kwargs)
-        launcher = make_launcher(spark=self.num_processor > 0)
-        job = Job(payload, abs(self.num_processor), launcher, self._options)
-        self.last_run = job.run()
+        on_spark = self.num_processor > 0
+        data = prepare_shares({name: value for name, value in kwargs.items()
+                               if is_dataset(value)}, abs(self.num_processor), on_spark)
+        try:
+            if data.lines and not self._options.hide_output:
+                print(data.report(), flush=True)
+            payload = capture_function(main, {**kwargs, **data.shares})
+            launcher = make_launcher(spark=on_spark, data=data)
+            job = Job(payload, abs(self.num_processor), launcher, self._options)
+            self.last_run = job.run()
+        finally:
+            data.close()
         return self.last_run.result
