@@ -23,6 +23,15 @@ from .share_file import ShareFile
 from .sources import this_slot
 
 
+def shares_line(name: str, what: str, rows: int, parts: int) -> str:
+    """What a run says of a dataset it was given.
+
+    >>> shares_line("train", "DataFrame", 1_000_000, 4)
+    "train: DataFrame → each rank's share, 1,000,000 rows in 4 shares"
+    """
+    return f"{name}: {what} → each rank's share, {rows:,} rows in {parts} shares"
+
+
 class Share:
     """This rank's share of a dataset; `loader(...)` reads it, `dataset(...)` as a torch
     `IterableDataset` for a `DataLoader` of your own.

@@ -128,10 +128,15 @@ class ShareWriter:
         self._sink.close()
         return self.summary
 
+    def close_sink(self) -> None:
+        """Close what writes the file (not `fd`), also after a failed write."""
+        if not self._sink.closed:
+            self._sink.close()
+
     def abandon(self) -> None:
         """Give the file up: closing its last descriptor frees its space."""
         try:
-            self._sink.close()
+            self.close_sink()
         finally:
             os.close(self.fd)
 

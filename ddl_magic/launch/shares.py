@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow
+import pyarrow.dataset
 
 from ..data.columns import UnsupportedColumnError, check_columns
-from ..data.share import Share
+from ..data.share import Share, shares_line
 from ..data.share_file import ShareWriter
 from ..data.sources import ArrowFileShares, Data, DatasetShares
 
@@ -112,11 +113,6 @@ def _add(data: RunData, name: str, share: Share, line: str) -> None:
     data.lines.append(line)
 
 
-def shares_line(name: str, what: str, rows: int, np: int) -> str:
-    """'train: DataFrame → each rank's share, 1,000,000 rows in 4 shares'"""
-    return f"{name}: {what} → each rank's share, {rows:,} rows in {np} shares"
-
-
 def _pandas_shares(name: str, given: Data, np: int, data: RunData) -> tuple[Share, str]:
     """Write the DataFrame once, as Arrow, to a file with no name; every rank maps it."""
     table = pyarrow.Table.from_pandas(given.source, preserve_index=False)
@@ -153,8 +149,6 @@ def _path_shares(name: str, given: Data, np: int) -> tuple[Share, str]:
     if os.path.isdir(os.path.join(path, "_delta_log")):
         dataset, what = _delta_dataset(name, path)
     else:
-        import pyarrow.dataset
-
         dataset = pyarrow.dataset.dataset(path, format="parquet", partitioning="hive")
         what = "Parquet"
     fragments = [group for fragment in dataset.get_fragments()

@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.columns import UnsupportedColumnError
-from ..data.share import Share
+from ..data.share import Share, shares_line
 from ..data.sources import Data, SparkShares
-from .shares import shares_line
 
 KEY_COLUMN = "__ddl_magic_key"
 DATASET_COLUMN = "__ddl_magic_dataset"

@@ -139,12 +139,17 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
 
             written = TaskShares(shares, rank)
             ready_read, ready_write = os.pipe()
+            unsaid = [ready_write]  # `write` closes it when it has said its word
+
+            def write_shares():
+                written.write(batches, unsaid.pop())
+
             try:
                 returncode, output = run_rank(
-                    written.environment(ready_read), (ready_read, *written.fds),
-                    lambda: written.write(batches, ready_write))
+                    written.environment(ready_read), (ready_read, *written.fds), write_shares)
             finally:
-                os.close(ready_write)
+                for fd in unsaid:  # the rank could not start: nobody waits for the word
+                    os.close(fd)
                 written.close()
         else:
             returncode, output = run_rank()

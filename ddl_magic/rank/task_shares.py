@@ -46,8 +46,8 @@ class TaskShares:
 
     def write(self, batches: Iterable[pyarrow.RecordBatch], ready_fd: int) -> None:
         """Write the partition's rows (`mapInArrow`'s batches of the keyed union) into the
-        datasets' files, then tell the rank on `ready_fd`: `{"rows": {...}}`, or
-        `{"error": why}` (the rank raises it when it reads the share)."""
+        datasets' files, then tell the rank on `ready_fd`, and close it: `{"rows": {...}}`,
+        or `{"error": why}` (the rank raises it when it reads the share)."""
         try:
             for batch in batches:
                 self._route(batch)
@@ -55,15 +55,14 @@ class TaskShares:
                              for name, writer in zip(self.names, self.writers)}}
         except Exception as exc:  # the rank says it, naming this task's host and the dataset
             said = {"error": f"{type(exc).__name__}: {exc}"}
-        os.write(ready_fd, json.dumps(said).encode())
+        with os.fdopen(ready_fd, "wb") as ready:
+            ready.write(json.dumps(said).encode())
 
     def close(self) -> None:
-        """The task's descriptors: once the rank's are closed too, the files are gone."""
+        """Close what the task still holds of the files (their descriptors went to the rank,
+        which closed them here once it started: `spark_task.run_rank`)."""
         for writer in self.writers:
-            try:
-                os.close(writer.fd)
-            except OSError:
-                pass
+            writer.close_sink()
 
     def _route(self, batch: pyarrow.RecordBatch) -> None:
         datasets = batch.column(1)  # launch/spark_shares.py's DATASET_COLUMN
