@@ -54,7 +54,7 @@ def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
     >>> split_rows(10, 3)
     [(0, 3), (3, 6), (6, 10)]
     >>> split_rows(2, 4)
-    [(0, 0), (0, 0), (0, 1), (1, 2)]
+    [(0, 0), (0, 1), (1, 1), (1, 2)]
     """
     if parts < 1:
         raise ValueError(f"a dataset is split among 1 rank or more, not {parts}")
