@@ -15,7 +15,7 @@ What each module decides: `order` (pure: which rows, in what order, how many ste
 (batches of tensors, a torch IterableDataset, their state for checkpoints).
 """
 
-from .share import Share
+from .share import Share, share
 from .sources import Data, ShareSourceError
 
-__all__ = ["Data", "Share", "ShareSourceError"]
+__all__ = ["Data", "Share", "ShareSourceError", "share"]

@@ -23,6 +23,22 @@ from .share_file import ShareFile
 from .sources import this_slot
 
 
+_given: dict[str, "Share"] = {}  # the shares that reached this process, by name
+
+
+def share(name: str) -> "Share":
+    """The share named `name` of this rank's run, from anywhere in its code: a script run by
+    `ddlrun --data train=...`, or a module a cell imports.
+
+    >>> train = ddl_magic.data.share("train")
+    """
+    if name not in _given:
+        raise KeyError(f"this process was given no dataset {name!r} (it has "
+                       f"{sorted(_given) or 'none'}): give it to the run, e.g. --data "
+                       f"{name}=df, or run(main, {name}=df)")
+    return _given[name]
+
+
 def shares_line(name: str, what: str, rows: int, parts: int) -> str:
     """What a run says of a dataset it was given.
 
@@ -52,6 +68,7 @@ class Share:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["name"], state["source"], state["description"])
+        _given[self.name] = self  # arrived on a rank: `share(name)` finds it
 
     # ---- what it holds ----------------------------------------------------------------------
 

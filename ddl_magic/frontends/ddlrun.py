@@ -30,6 +30,7 @@ from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RankFailedError, RunTimeoutError, restarts_made
 from ..launch.local import LocalLauncher
 from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
+from .data_options import parse_data, shares_for_run
 
 USAGE = ("ddlrun runs a Python command: ddlrun -np 2 python train.py [args], "
          "ddlrun -np 2 python -m package.module [args], ddlrun -np 2 python -c CODE [args], "
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="stop all ranks if the run takes longer than this")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="set an environment variable on every rank (repeatable)")
+    parser.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
+                        help="give the ranks a dataset: Parquet files or a folder, a Delta "
+                             "table or an Arrow file; each rank reads its share with "
+                             "ddl_magic.data.share(NAME).loader(batch_size=...) (repeatable)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="python script.py | python -m module | python -c code, then its "
                              "arguments (or just script.py [args...])")
@@ -169,13 +174,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         task = command_task(args.command)
+        datasets = parse_data(args.data, {})
     except ValueError as exc:
         parser.error(str(exc))
     options = JobOptions(display=make_display, timeout_s=args.timeout, timeline_path=args.timeline, env=env,
                          title=" ".join(args.command), min_np=args.min_np, max_np=args.max_np,
                          max_restarts=args.max_restarts)
     try:
-        Job(task, args.np, LocalLauncher(), options).run()
+        with shares_for_run(datasets, args.np, on_spark=False) as data:
+            task.shares.update(data.shares)
+            Job(task, args.np, LocalLauncher(), options).run()
+    except (FileNotFoundError, TypeError, KeyError) as exc:  # a dataset refused before launch
+        print(f"ddlrun: {exc}", file=sys.stderr)
+        return 2
     except RankFailedError as exc:
         if exc.restarts:  # the display showed the failure; this says the restarts ran out
             print(f"ddlrun: rank {exc.rank} failed: {exc.reason}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import re
 
@@ -11,7 +12,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .options import make_display, shows_run_view
-from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
+from ..driver.capture import CaptureError, capture_cell, format_bytes, names_read, unknown_names
 from ..driver.elastic import elastic_bounds
 from ..driver.job import Job, JobOptions, check_max_restarts, last_run
 from ..driver.pool import PoolError, active_pool
@@ -19,7 +20,8 @@ from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
 from .ddlrun import parse_env
 from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
-from .runner import make_launcher
+from .data_options import dataframes_read, parse_data, shares_for_run
+from .runner import make_launcher, wants_spark
 
 
 class HorovodUsageError(ValueError):
@@ -73,6 +75,12 @@ class HorovodMagics(Magics):
               help="stop all ranks if the cell runs longer than this")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable on every rank (repeatable)")
+    @argument("--data", action="append", default=[], metavar="NAME=VALUE",
+              help="give the ranks a dataset: VALUE a Spark or pandas DataFrame of the "
+                   "notebook, or the path of Parquet files, a Delta table or an Arrow file. "
+                   "On each rank NAME is that rank's share: NAME.loader(batch_size=...) "
+                   "yields dicts of tensors, every rank the same number of steps per epoch "
+                   "(repeatable). A Spark DataFrame the cell reads is its share without it")
     @argument("--gpu", action="store_true",
               help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
     @argument("--quiet", action="store_true",
@@ -172,21 +180,29 @@ class HorovodMagics(Magics):
         # The leading newline stands for the %%horovod line, so tracebacks from the ranks
         # give line numbers as the notebook shows them.
         source = "\n" + transform_body(self.shell, cell)
-        _refuse_unknown_names(source, self.shell.user_ns)
-        captured = capture_cell(source, self.shell.user_ns)
-        if not args.quiet:
-            print(captured.report())
-        if captured.is_large:
-            print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
-                  "load large data on each rank (from files) instead of capturing it")
-        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
+        spark = True if args.spark else (False if args.local else None)
+        try:
+            datasets = parse_data(args.data, self.shell.user_ns)
+        except ValueError as exc:
+            raise HorovodUsageError(str(exc)) from None
+        datasets.update(dataframes_read(names_read(source), self.shell.user_ns, datasets))
         options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
                              min_np=args.min_np, max_np=args.max_np,
                              max_restarts=args.max_restarts)
         try:
-            run = Job(captured.payload, args.np, launcher, options).run()
+            with shares_for_run(datasets, args.np, wants_spark(spark), args.quiet) as data:
+                namespace = collections.ChainMap(data.shares, self.shell.user_ns)
+                _refuse_unknown_names(source, namespace)
+                captured = capture_cell(source, namespace)
+                if not args.quiet:
+                    print(captured.report())
+                if captured.is_large:
+                    print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
+                          "load large data on each rank (from files) instead of capturing it")
+                launcher = make_launcher(spark=spark, data=data)
+                run = Job(captured.payload, args.np, launcher, options).run()
         except KeyboardInterrupt:
             record = last_run()
             logs = (f"; their logs are in {record.log_dir}"

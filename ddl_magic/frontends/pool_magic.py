@@ -20,17 +20,22 @@ import argparse
 import shlex
 import time
 
+import cloudpickle
+
 from ..driver.capture import capture_cell
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
+from ..launch.shares import is_spark_dataframe
+from ..wire.tasks import CellTask
 from .ddlrun import parse_env
 from .options import make_display
-from .runner import make_launcher
+from .data_options import parse_data, shares_for_run
+from .runner import make_launcher, wants_spark
 
 
 def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
           timeline: str | None = None, use_gpu: bool = False, quiet: bool = False,
-          min_np: int | None = None) -> Pool:
+          min_np: int | None = None, data: dict[str, object] | None = None) -> Pool:
     """Start `np` ranks that live between cells (Spark barrier tasks where `spark`, or where
     a SparkSession is active and `spark` is None; else local processes).
 
@@ -45,10 +50,50 @@ def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None 
     `min_np` makes the pool elastic: a lost rank is replaced by a fresh one (which starts
     empty; the others keep their state) while `min_np` ranks are left, instead of breaking
     the pool; `pool.replaced` says what each replacement said.
+
+    `data={"train": df}` gives the ranks datasets at once (`load_data`): on Spark, a Spark
+    DataFrame's shares are written by the pool's own tasks as it starts, beside each rank.
     """
     display = _quiet_display if quiet else make_display
-    return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
-                display=display, min_np=min_np).start()
+    with shares_for_run(data or {}, np, wants_spark(spark), quiet) as prepared:
+        pool = Pool(np, make_launcher(spark, data=prepared), env=env, timeline_path=timeline,
+                    use_gpu=use_gpu, display=display, min_np=min_np).start()
+        if prepared.shares:
+            _install(pool, prepared)
+    return pool
+
+
+def load_data(pool: Pool, datasets: dict[str, object], quiet: bool = False) -> None:
+    """Give a pool's ranks datasets, kept on them across cells until replaced: each name on
+    each rank is that rank's share (`%horovod data train=df`). The shares are made ready now
+    (read from their source, for Parquet and Delta), not in the next cell.
+
+    A Spark DataFrame reaches a Spark pool's ranks only as it starts (`start(data=...)`): its
+    tasks, which hold their slots for the pool's life, are the ones that write the shares.
+    """
+    pool.check_usable()
+    on_spark = pool.where.startswith("Spark")
+    frames = [name for name, value in datasets.items() if is_spark_dataframe(value)]
+    if on_spark and frames:
+        raise PoolError(
+            f"{', '.join(frames)}: a Spark DataFrame's shares are written by the Spark tasks "
+            "of the pool's ranks, which only take rows as the pool starts: %horovod stop, "
+            f"then %horovod start -np {pool.np} --data {frames[0]}=... (the ranks' state is "
+            "lost); or write the DataFrame to Parquet and give the path here")
+    with shares_for_run(datasets, pool.np, on_spark, quiet) as prepared:
+        _install(pool, prepared)
+
+
+def _install(pool: Pool, prepared) -> None:
+    """Each share under its name in every rank's namespace, its file opened (written first,
+    for Parquet and Delta) before this returns; the ranks then hold what the driver lets go."""
+    names = "\n".join(f"{name} = __ddl_magic_shares__[{name!r}]" for name in prepared.shares)
+    source = ("for __ddl_magic_share__ in __ddl_magic_shares__.values():\n"
+              "    __ddl_magic_share__.file()\n"
+              f"{names}\ndel __ddl_magic_shares__, __ddl_magic_share__\n")
+    task = CellTask(source, {"__ddl_magic_shares__": prepared.shares}, "<%horovod data>")
+    pool.run_cell(cloudpickle.dumps(task), title=f"%horovod data {', '.join(prepared.shares)}",
+                  quiet=True)
 
 
 def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
@@ -66,8 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     started.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     started.add_argument("--gpu", action="store_true")
     started.add_argument("--min-np", dest="min_np", type=int, metavar="N")
+    started.add_argument("--data", action="append", default=[], metavar="NAME=VALUE")
     # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
     started.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    loaded = commands.add_parser("data", add_help=False, exit_on_error=False)
+    loaded.add_argument("datasets", nargs="+", metavar="NAME=VALUE")
     for name in ("stop", "status", "restart"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
@@ -82,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]] "
-              "[--env KEY=VALUE ...] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
+              "[--env KEY=VALUE ...] [--gpu] [--data NAME=VALUE ...] · %horovod data NAME=VALUE ... "
+              "· %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
               "· %horovod restart · %horovod stop · %horovod auto [off]")
 
 
@@ -103,6 +152,14 @@ def run_line(shell, line: str, usage_error):
     match args.command:
         case "start":
             return _start(shell, args, usage_error)
+        case "data":
+            try:
+                datasets = parse_data(args.datasets, shell.user_ns)
+            except ValueError as exc:
+                raise usage_error(str(exc)) from None
+            load_data(_the_pool(pool), datasets)
+            print(f"ddl_magic: {', '.join(datasets)} on every rank of the pool, each its own "
+                  "share, until replaced")
         case "stop":
             set_auto(shell, False)
             if pool is None:
@@ -159,6 +216,7 @@ def _start(shell, args, usage_error) -> None:
                           f"(np is {args.np}); e.g. %horovod start -np 4 --min-np 2")
     try:
         env = parse_env(args.env)
+        datasets = parse_data(args.data, shell.user_ns)
     except ValueError as exc:
         raise usage_error(str(exc)) from None
     running = active_pool()
@@ -166,7 +224,8 @@ def _start(shell, args, usage_error) -> None:
         raise PoolError(running.already_running())
     began = time.monotonic()
     pool = start(args.np, spark=True if args.spark else (False if args.local else None),
-                 env=env, timeline=args.timeline, use_gpu=args.gpu, min_np=args.min_np)
+                 env=env, timeline=args.timeline, use_gpu=args.gpu, min_np=args.min_np,
+                 data=datasets)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
           f"({pool.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")

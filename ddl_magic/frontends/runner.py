@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .data_options import datasets_among, shares_for_run
 from .options import make_display
 from ..driver.capture import capture_function
 from ..driver.job import Job, JobOptions, check_max_restarts
 from ..driver.run_result import RunResult
 from ..launch import spark_session
 from ..launch.local import LocalLauncher
-from ..launch.shares import RunData, is_dataset, prepare_shares
+from ..launch.shares import RunData
 from ..driver.tracking import check_setting
 
 
@@ -98,15 +99,10 @@ class HorovodRunner:
         if not callable(main):
             raise TypeError(f"HorovodRunner.run needs a function, got {type(main).__name__}")
         on_spark = self.num_processor > 0
-        data = prepare_shares({name: value for name, value in kwargs.items()
-                               if is_dataset(value)}, abs(self.num_processor), on_spark)
-        try:
-            if data.lines and not self._options.hide_output:
-                print(data.report(), flush=True)
+        with shares_for_run(datasets_among(kwargs), abs(self.num_processor), on_spark,
+                            quiet=self._options.hide_output) as data:
             payload = capture_function(main, {**kwargs, **data.shares})
             launcher = make_launcher(spark=on_spark, data=data)
             job = Job(payload, abs(self.num_processor), launcher, self._options)
             self.last_run = job.run()
-        finally:
-            data.close()
         return self.last_run.result
