@@ -1,0 +1,195 @@
+"""Data given to local runs reaches every rank as its share, from every front-end: each row
+exactly once per epoch across the ranks, equal steps with unequal and empty shares, a new
+order per epoch, a pool keeping its data across cells, a source failing mid-read, and
+nothing left on disk after a SIGKILLed rank or a killed kernel."""
+
+import os
+import signal
+import textwrap
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow
+import pyarrow.parquet
+import pytest
+
+from ddl_magic import HorovodRunner, RankFailedError, TorchDistributor, distributed
+from ddl_magic.data import Data
+from ddl_magic.frontends import ddlrun
+from kernel import Kernel
+
+
+def _frame(rows: int) -> pd.DataFrame:
+    return pd.DataFrame({"id": np.arange(rows),
+                         "v": [np.full(3, i, dtype=np.float32) for i in range(rows)]})
+
+
+def read_epochs(train, tiny=None, epochs=2):
+    """Every rank's ids per epoch (a function the ranks run), and the steps it agreed on."""
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    loader = train.loader(batch_size=64, columns=["id", "v"], seed=1, drop_last=False)
+    seen = [[int(i) for batch in loader for i in batch["id"]] for _ in range(epochs)]
+    steps = len(tiny.loader(batch_size=1, columns=["id"])) if tiny is not None else None
+    return {"rank": hvd.rank(), "ids": seen, "steps": len(loader), "tiny_steps": steps,
+            "rows": train.num_rows}
+
+
+def _check_exactly_once(results, rows):
+    for epoch in range(len(results[0]["ids"])):
+        ids = sorted(i for result in results for i in result["ids"][epoch])
+        assert ids == list(range(rows)), f"epoch {epoch}"
+    assert results[0]["ids"][0] != results[0]["ids"][1]  # a new order every epoch
+
+
+def test_a_pandas_dataframe_and_its_share_on_every_rank_with_an_empty_one(capfd):
+    results = distributed(np=3)(read_epochs).distributed(train=_frame(1000), tiny=_frame(2))
+    out = capfd.readouterr().out
+    assert "train: pandas DataFrame → each rank's share, 1,000 rows in 3 shares" in out
+    assert sorted(r["rows"] for r in results) == [333, 333, 334]  # unequal shares...
+    assert {r["steps"] for r in results} == {6}  # ...equal steps
+    assert {r["tiny_steps"] for r in results} == {0}  # an empty share: no rank steps, none waits
+    _check_exactly_once(results, 1000)
+
+
+def test_parquet_split_by_row_groups_through_ddlrun(tmp_path, capfd):
+    folder = tmp_path / "train"
+    folder.mkdir()
+    table = pyarrow.Table.from_pandas(_frame(600), preserve_index=False)
+    for part in range(3):
+        pyarrow.parquet.write_table(table.slice(part * 200, 200), folder / f"part-{part}.parquet",
+                                    row_group_size=70)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import ddl_magic.data, ddl_magic.torch as hvd
+        hvd.init()
+        train = ddl_magic.data.share("train")
+        ids = [int(i) for batch in train.loader(batch_size=50, columns=["id"]) for i in batch["id"]]
+        everyone = sorted(i for rank in hvd.allgather_object(ids) for i in rank)
+        print("rows", train.num_rows, "unique", len(set(everyone)), "of", len(everyone))
+    """))
+    assert ddlrun.main(["-np", "2", "--data", f"train={folder}", "python", str(script)]) == 0
+    out = capfd.readouterr().out
+    assert "train: Parquet (3 files, 9 row groups) → each rank's share, 600 rows in 2 shares" in out
+    assert "[0] rows 300 unique 600 of 600" in out and "[1] rows 300" in out
+
+
+def delete_then_read(train, path):
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        os.remove(path)
+    hvd.barrier()
+    return train.num_rows
+
+
+def test_a_source_failing_mid_read_names_the_rank_and_the_file(tmp_path):
+    folder = tmp_path / "train"
+    folder.mkdir()
+    for part in range(2):
+        pyarrow.parquet.write_table(pyarrow.Table.from_pandas(_frame(10), preserve_index=False),
+                                    folder / f"part-{part}.parquet")
+    with pytest.raises(RankFailedError) as failure:
+        HorovodRunner(np=-2).run(delete_then_read, train=Data(folder),
+                                 path=str(folder / "part-1.parquet"))
+    assert failure.value.rank == 1
+    assert "rank 1 could not read" in failure.value.traceback
+    assert "part-1.parquet" in failure.value.traceback
+
+
+def count_rows(train):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    steps = len(train.loader(batch_size=10, columns=["id"]))  # agreed over gloo
+    dist.destroy_process_group()
+    return steps
+
+
+def test_torch_distributor_and_a_bad_column_refused_before_launch():
+    assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
+        count_rows, train=_frame(45)) == 2
+    frame = _frame(10).assign(city="x")
+    with pytest.raises(TypeError, match="column 'city' is string"):
+        HorovodRunner(np=-2).run(count_rows, train=frame)
+    HorovodRunner(np=-2).run(count_rows, train=Data(frame, columns=["id"]))
+
+
+def hold_then_die(train):
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    train.file()
+    hvd.barrier()
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.barrier()
+
+
+def _open_share_files() -> list[str]:
+    """Share files (unlinked) some process on this machine still holds."""
+    held = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if "ddl_magic-share-" in target:
+                    held.append(f"{pid}: {target}")
+        except OSError:
+            continue
+    return held
+
+
+def test_nothing_left_on_disk_after_a_sigkilled_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_SHARE_DIR", str(tmp_path))
+    with pytest.raises(RankFailedError, match="SIGKILL"):
+        HorovodRunner(np=-2).run(hold_then_die, train=_frame(100))
+    assert os.listdir(tmp_path) == []  # the files never had a name there
+    assert _open_share_files() == []
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"}, cwd=str(tmp_path_factory.mktemp("data")))
+    setup = kernel.run("%load_ext ddl_magic\nimport numpy as np, pandas as pd\n"
+                       "df = pd.DataFrame({'id': np.arange(10), 'x': np.arange(10.0)})\n"
+                       "other = pd.DataFrame({'id': np.arange(100, 106)})")
+    assert setup.error is None, setup.error
+    yield kernel
+    try:
+        kernel.close()
+    except RuntimeError:  # the last test killed it
+        pass
+
+
+def test_the_magic_gives_a_cell_its_data_and_a_pool_keeps_it_across_cells(kernel):
+    cell = kernel.run("%%horovod -np 2 --data train=df\nimport ddl_magic.torch as hvd\nhvd.init()\n"
+                      "sorted(sum(hvd.allgather_object([int(i) for b in train.loader(batch_size=5)"
+                      " for i in b['id']]), []))")
+    assert cell.error is None, cell.error
+    assert "train: pandas DataFrame → each rank's share, 10 rows in 2 shares" in cell.text
+    assert cell.result == str(list(range(10)))
+    started = kernel.run("%horovod start -np 2 --local --data train=df")
+    assert started.error is None, started.error
+    read = ("%%horovod --all-ranks\nsorted(int(i) for b in train.loader(batch_size=1, "
+            "shuffle=False) for i in b['id'])")
+    first, second = kernel.run(read), kernel.run(read)
+    assert first.error is None and first.result == second.result == "[[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]"
+    replaced = kernel.run("%horovod data train=other")
+    assert replaced.error is None, replaced.error
+    assert kernel.run(read).result == "[[100, 101, 102], [103, 104, 105]]"
+    kernel.run("%horovod stop")
+
+
+def test_a_killed_kernel_leaves_no_share_behind(kernel):
+    started = kernel.run("%horovod start -np 2 --local --data train=df")
+    assert started.error is None, started.error
+    assert _open_share_files()  # the ranks hold their shares, the driver none
+    os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
+    end = time.monotonic() + 10  # the ranks exit once their control connection closes
+    while _open_share_files() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _open_share_files() == []
