@@ -51,9 +51,18 @@ class RowNotingNet(torch.nn.Module):
 
 
 def shards_left() -> list[str]:
-    """Shards the tasks left on disk (under Spark's local directories or the temporary one)."""
-    return glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-shard-*", "*"),
-                     recursive=True)
+    """Shares some process still holds (files with no name: nothing is ever left on disk),
+    or left on disk by name (never)."""
+    named = glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-share-*"),
+                      recursive=True)
+    held = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            held += [target for fd in os.listdir(f"/proc/{pid}/fd")
+                     if "ddl_magic-share-" in (target := os.readlink(f"/proc/{pid}/fd/{fd}"))]
+        except OSError:
+            continue
+    return named + held
 
 
 def rows_trained_on(notes_dir) -> list[int]:

@@ -29,14 +29,15 @@ from .share_file import ShareFile, width_span
 
 DEFAULT_WINDOW_BYTES = 64 << 20  # rows shuffled together, by default: about this many bytes
 _ORDER_FIELDS = ("dataset", "batch_size", "columns", "shuffle", "seed", "drop_last",
-                 "shuffle_window")
+                 "shuffle_window", "equal_steps")
 
 
 class ShareLoader:
     """Batches of one rank's share (made by `Share.loader`; see there)."""
 
     def __init__(self, share, batch_size: int, columns: list[str], *, shuffle: bool,
-                 seed: int, drop_last: bool, shuffle_window: int | None):
+                 seed: int, drop_last: bool, shuffle_window: int | None,
+                 equal_steps: bool = True):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if shuffle_window is not None and shuffle_window < 1:
@@ -48,6 +49,7 @@ class ShareLoader:
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.drop_last = bool(drop_last)
+        self.equal_steps = bool(equal_steps)
         self.epoch = 0
         self.step = 0  # batches yielded in this epoch
         self._shuffle_window = shuffle_window
@@ -70,6 +72,9 @@ class ShareLoader:
     def _agree(self) -> Coverage:
         file = self.share.file()
         mine = [file.num_rows, *_problems(file, self.columns)]
+        if not self.equal_steps:  # this rank alone: every row of its share, no collective
+            _refuse_bad_values(self.share.name, self.columns, [mine])
+            return coverage([file.num_rows], file.num_rows, self.batch_size, self.drop_last)
         everyone, rank = _allgather(mine, f"ddl_magic.data.{self.share.name}.agree")
         _refuse_bad_values(self.share.name, self.columns, everyone)
         missing = max(0, self.share.parts - len(everyone))
@@ -122,11 +127,14 @@ class ShareLoader:
         bounds = [0, *runs.tolist(), len(rows)]
         out: dict[str, np.ndarray] = {}
         for low, high in zip(bounds[:-1], bounds[1:]):
-            views = self._block_views(file, int(blocks[low]))
+            block = int(blocks[low])
+            views = self._block_views(file, block)
+            picked = file.picked(block)
+            places = local[low:high] if picked is None else picked[local[low:high]]
             for name, view in views.items():
                 if name not in out:
                     out[name] = np.empty((len(rows), *view.shape[1:]), dtype=view.dtype)
-                np.take(view, local[low:high], axis=0, out=out[name][low:high])
+                np.take(view, places, axis=0, out=out[name][low:high])
         if not out:  # an empty batch (an empty share without drop_last never gets here)
             return {name: torch.empty(0) for name in self.columns}
         return {name: torch.from_numpy(out[name]) for name in self.columns}
@@ -170,7 +178,7 @@ class ShareLoader:
         return {"dataset": self.share.name, "epoch": self.epoch, "step": self.step,
                 "batch_size": self.batch_size, "columns": list(self.columns),
                 "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
-                "shuffle_window": self._shuffle_window}
+                "shuffle_window": self._shuffle_window, "equal_steps": self.equal_steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from `state` (`state_dict()`'s): the next batch is the one that came next

@@ -109,16 +109,35 @@ class Share:
 
     # ---- reading it ---------------------------------------------------------------------------
 
+    def split(self, fraction: float, seed: int = 0) -> tuple["Share", "Share"]:
+        """(the rest, `fraction` of the rows held out), both of this rank's share, e.g. for
+        validation: each block of the file gives `round(fraction * rows)` rows at random
+        (the same every run with `seed`) to the second. No row is copied.
+
+        >>> training, validation = train.split(0.2, seed=1)
+        """
+        if not 0 <= fraction < 1:
+            raise ValueError(f"split({fraction!r}): give the fraction of rows to hold out, in "
+                             "[0, 1)")
+        parts = []
+        for held_out, suffix in ((False, ""), (True, ":held-out")):
+            part = Share(self.name + suffix, self.source, self.description)
+            part._file = self.file().part(fraction, seed, held_out)
+            parts.append(part)
+        return parts[0], parts[1]
+
     def loader(self, batch_size: int, columns: Sequence[str] | None = None, *,
                shuffle: bool = True, seed: int = 0, drop_last: bool = True,
-               shuffle_window: int | None = None):
+               shuffle_window: int | None = None, equal_steps: bool = True):
         """Batches of this rank's share: dicts {column: tensor}, numbers 1-D, arrays and ML
         vectors 2-D. Every rank takes `len(loader)` steps per epoch (agreed by the ranks
         before the first); each `for batch in loader` is the next epoch (or the rest of one
         left midway), in a new order when `shuffle` (reproducible from `seed`).
         `shuffle_window`: how many rows are shuffled together (default: about 64 MB of
         them); memory per rank is bounded by it and a batch, not by the share's size.
-        `state_dict()` / `load_state_dict()` resume mid-epoch exactly.
+        `state_dict()` / `load_state_dict()` resume mid-epoch exactly. `equal_steps=False`
+        reads every row of this rank's share, whatever the others hold, without a collective
+        (an evaluation loop with no collective per step).
 
         >>> loader = train.loader(batch_size=256, columns=["features", "label"], seed=1)
         >>> for batch in loader:
@@ -127,7 +146,8 @@ class Share:
         from .loader import ShareLoader
 
         return ShareLoader(self, batch_size, self._columns(columns), shuffle=shuffle, seed=seed,
-                           drop_last=drop_last, shuffle_window=shuffle_window)
+                           drop_last=drop_last, shuffle_window=shuffle_window,
+                           equal_steps=equal_steps)
 
     def dataset(self, batch_size: int, columns: Sequence[str] | None = None, *,
                 shuffle: bool = True, seed: int = 0, drop_last: bool = True,

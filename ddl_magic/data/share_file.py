@@ -15,6 +15,7 @@ memory allows, which makes the next epoch fast).
 
 from __future__ import annotations
 
+import copy
 import errno
 import mmap
 import os
@@ -191,6 +192,28 @@ class ShareFile:
             first += rows
         self.block_rows = [rows for _, _, rows in self._blocks]
         self.num_rows = sum(self.block_rows)
+        self._part: tuple[float, int, bool] | None = None  # (fraction, seed, held out?)
+
+    def part(self, fraction: float, seed: int, held_out: bool) -> "ShareFile":
+        """The same file, holding only some rows of each block: `round(fraction * rows)`
+        rows chosen at random (seeded by `seed` and the block) if `held_out`, else the rest.
+        A validation split that costs no copy and no memory per row."""
+        part = copy.copy(self)
+        part._part = (fraction, seed, held_out)
+        chosen = [round(fraction * rows) for _, _, rows in self._blocks]
+        part.block_rows = [k if held_out else rows - k
+                           for k, (_, _, rows) in zip(chosen, self._blocks)]
+        part.num_rows = sum(part.block_rows)
+        return part
+
+    def picked(self, index: int) -> np.ndarray | None:
+        """The rows of block `index` this file holds (a `part`'s), or None for all."""
+        if self._part is None:
+            return None
+        fraction, seed, held_out = self._part
+        rows = self._blocks[index][2]
+        chosen = np.random.default_rng([seed, index]).permutation(rows)[:round(fraction * rows)]
+        return np.sort(chosen) if held_out else np.setdiff1d(np.arange(rows), chosen)
 
     def block(self, index: int) -> pyarrow.RecordBatch:
         batch_index, first, rows = self._blocks[index]

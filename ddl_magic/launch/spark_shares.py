@@ -39,15 +39,19 @@ class ShareStage:
     plan: dict  # {"names": [...], "schemas": [bytes...], "expected_rows": [...]}
 
 
-def spark_shares(frames: dict[str, Data], np: int) -> tuple[ShareStage, dict, dict]:
+def spark_shares(frames: dict[str, Data], np: int,
+                 checked_rows: dict[str, int] | None = None) -> tuple[ShareStage, dict, dict]:
     """The stage, a `Share` per name and a line per name, for `frames` on `np` ranks; raises
-    before anything starts for a column the ranks cannot read or one with nulls."""
+    before anything starts for a column the ranks cannot read or one with nulls.
+    `checked_rows`: the rows of frames whose nulls the caller already refused (no count)."""
     from pyspark.sql import functions
 
     selected, shares, lines, schemas, expected = {}, {}, {}, [], []
     for name, given in frames.items():
         frame = _readable(name, given.source, given.columns)
-        rows = _count_and_check_nulls(name, frame)
+        rows = (checked_rows or {}).get(name)
+        if rows is None:
+            rows = _count_and_check_nulls(name, frame)
         schema = _arrow_schema(frame)
         schema_bytes = schema.serialize().to_pybytes()
         selected[name] = frame
@@ -56,7 +60,7 @@ def spark_shares(frames: dict[str, Data], np: int) -> tuple[ShareStage, dict, di
         shares[name] = Share(name, SparkShares(np, rows, schema_bytes), "DataFrame")
         lines[name] = shares_line(name, "DataFrame", rows, np)
     keys = partition_keys(np)
-    key = functions.element_at(functions.array(*[functions.lit(k) for k in keys]),
+    key = functions.element_at(functions.array(*[functions.lit(k).cast("long") for k in keys]),
                                (functions.pmod(functions.monotonically_increasing_id()
                                                + functions.spark_partition_id(),
                                                functions.lit(np)) + 1).cast("int"))
