@@ -100,6 +100,46 @@ def test_a_source_failing_mid_read_names_the_rank_and_the_file(tmp_path):
     assert "part-1.parquet" in failure.value.traceback
 
 
+def elastic_epochs(train, log_dir, epochs=2):
+    """Each trained batch's ids, logged per slot and epoch; slot 1 SIGKILLs itself once,
+    mid-epoch 0, before its 7th step (the others' step then fails, and goes back to the
+    last commit)."""
+    import torch
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    loader = train.loader(batch_size=10, columns=["id"], seed=4)
+    state = hvd.elastic.TorchState(loader=loader)
+    slot = os.environ["DDL_MAGIC_SLOT"]
+
+    @hvd.elastic.run
+    def run(state):
+        while loader.epoch < epochs:
+            for batch in loader:
+                marker = os.path.join(log_dir, "killed")
+                if slot == "1" and loader.step == 6 and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                hvd.allreduce(torch.ones(1), name="step")  # a training step's gradients
+                with open(os.path.join(log_dir, f"slot-{slot}-epoch-{loader.epoch}"), "a") as log:
+                    log.write("".join(f"{int(i)}\n" for i in batch["id"]))
+                state.commit()
+        return len(loader)
+
+    return run(state)
+
+
+def test_an_elastic_run_losing_a_rank_reads_its_rows_again_from_the_source(tmp_path):
+    steps = HorovodRunner(np=-2, min_np=1).run(elastic_epochs, train=_frame(200),
+                                               log_dir=str(tmp_path))
+    assert steps == 10 and (tmp_path / "killed").exists()
+    for epoch in range(2):  # the replacement went on with slot 1's rows where it was lost
+        ids = [int(line) for slot in range(2)
+               for line in (tmp_path / f"slot-{slot}-epoch-{epoch}").read_text().split()]
+        assert sorted(ids) == list(range(200)), f"epoch {epoch}"
+
+
 def count_rows(train):
     import torch.distributed as dist
 

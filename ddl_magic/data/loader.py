@@ -18,6 +18,7 @@ are yours to change). Nothing scales with the share's size.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -175,14 +176,20 @@ class ShareLoader:
     def state_dict(self) -> dict:
         """Where the loader is: the epoch and the batches of it already yielded, with what
         fixes the order (a checkpoint holds it with the model's; torch's `Stateful`)."""
+        agreed = None if self._coverage is None else dataclasses.asdict(self._coverage)
         return {"dataset": self.share.name, "epoch": self.epoch, "step": self.step,
                 "batch_size": self.batch_size, "columns": list(self.columns),
                 "shuffle": self.shuffle, "seed": self.seed, "drop_last": self.drop_last,
-                "shuffle_window": self._shuffle_window, "equal_steps": self.equal_steps}
+                "shuffle_window": self._shuffle_window, "equal_steps": self.equal_steps,
+                "agreed": agreed}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from `state` (`state_dict()`'s): the next batch is the one that came next
-        then. The loader must read the same way (batch size, columns, seed...)."""
+        then. The loader must read the same way (batch size, columns, seed...).
+
+        What the ranks agreed on comes with it (when it was over the same dataset), so that a
+        rank restored from it takes the same steps without asking the others again: an
+        elastic run's replacement, synced from rank 0, joins the others' loop directly."""
         mine = self.state_dict()
         differ = [name for name in _ORDER_FIELDS if name in state and state[name] != mine[name]]
         if differ:
@@ -191,6 +198,9 @@ class ShareLoader:
                 + ", ".join(f"{name} {state[name]!r} there, {mine[name]!r} here" for name in differ)
                 + ". Make it with the same arguments to resume where that one was")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        agreed = state.get("agreed")
+        if agreed is not None and agreed["total"] == self.share.total_rows:
+            self._coverage = Coverage(**agreed)
 
     def __repr__(self) -> str:
         return (f"<ShareLoader of {self.share.name!r}: batches of {self.batch_size}, epoch "
