@@ -47,7 +47,7 @@ def mosaic(spark, frame, workdir: str) -> dict:
     began = time.time()
     dataframe_to_mds(frame, merge_index=True,
                      mds_kwargs={"out": out, "columns": {"features": "ndarray:float32",
-                                                         "label": "int"}})
+                                                         "label": "int32"}})
     converted = time.time() - began
     dataset = StreamingDataset(local=out, batch_size=BATCH_SIZE, shuffle=True)
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE)
@@ -63,7 +63,7 @@ def _read(loader, began: float, result: dict) -> dict:
             first_at = time.time()
             first_rows = rows
     ended = time.time()
-    result.update(first_batch_s=first_at - began, rows=rows,
+    result.update(first_batch_s=first_at - began, rows_read=rows,
                   rows_per_s=(rows - first_rows) / max(ended - first_at, 1e-9),
                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return result
