@@ -163,7 +163,7 @@ def read_share(train):
 def test_shares_are_written_on_each_hosts_executor_and_read_by_the_ranks_there(spark):
     from ddl_magic.launch.shares import prepare_shares
 
-    frame = spark.range(0, 403, 1, 3)
+    frame = spark.range(0, 404, 1, 3)
     data = prepare_shares({"train": frame}, NP, on_spark=True)
     options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
     run = Job(FunctionTask(read_share, {"train": data.shares["train"]}), NP,
@@ -172,7 +172,7 @@ def test_shares_are_written_on_each_hosts_executor_and_read_by_the_ranks_there(s
     assert len({rank["host"] for rank in ranks}) == 2
     assert [r.host for r in run.ranks] == [rank["host"] for rank in ranks]
     assert all("pyspark" in rank["writer"] for rank in ranks)  # its Spark task, beside it
-    assert sorted(i for rank in ranks for i in rank["ids"]) == list(range(403))
+    assert sorted(i for rank in ranks for i in rank["ids"]) == list(range(404))
 
 
 def test_more_ranks_than_the_clusters_slots_is_refused_at_once(spark):
