@@ -133,3 +133,19 @@ def test_share_file_reads_a_row_range(table):
     assert part.num_rows == 450 and part.block_rows == [50, 300, 100]
     assert part.views(0, ["id"])["id"][0] == 250
     os.close(writer.fd)
+
+
+def test_a_share_that_does_not_fit_the_disk_names_host_folder_bytes_and_free_space(tmp_path):
+    import socket
+
+    from ddl_magic.data.share_file import ShareDiskFullError
+
+    schema = pyarrow.schema([("x", pyarrow.float64())])
+    writer = ShareWriter(schema, str(tmp_path), expected_rows=10**12, what="rank 1's share of 'train'")
+    with pytest.raises(ShareDiskFullError) as full:
+        writer.write(pyarrow.record_batch([pyarrow.array([1.0, 2.0])], schema=schema))
+    message = str(full.value)
+    assert f"rank 1's share of 'train' needs about 7.3 TB of local disk on {socket.gethostname()}" in message
+    assert f"but {tmp_path} has" in message and "free" in message
+    writer.abandon()
+    assert os.listdir(tmp_path) == []

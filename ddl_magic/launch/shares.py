@@ -19,7 +19,9 @@ shares`.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -43,6 +45,7 @@ class RunData:
     lines: list[str] = field(default_factory=list)
     spark_stage: object | None = None
     _held: list[int] = field(default_factory=list)  # descriptors of files the ranks map
+    _folders: list[str] = field(default_factory=list)  # where /proc is missing: named files
 
     def report(self) -> str:
         return "\n".join(f"ddl_magic: {line}" for line in self.lines)
@@ -51,6 +54,8 @@ class RunData:
         """Let go of the files this process holds for the ranks: gone once they let go too."""
         while self._held:
             os.close(self._held.pop())
+        while self._folders:
+            shutil.rmtree(self._folders.pop(), ignore_errors=True)
 
 
 def is_dataset(value: object) -> bool:
@@ -118,14 +123,22 @@ def _pandas_shares(name: str, given: Data, np: int, data: RunData) -> tuple[Shar
     table = pyarrow.Table.from_pandas(given.source, preserve_index=False)
     columns = _checked(table.schema, given.columns, "the DataFrame")
     table = table.select(columns)
-    writer = ShareWriter(table.schema, expected_rows=table.num_rows,
-                         what="the pandas DataFrame's rows")
-    data._held.append(writer.fd)
-    for batch in table.to_batches(max_chunksize=65536):
-        writer.write(batch)
-    writer.finish()
-    source = ArrowFileShares(_shared_path(writer.fd), np, table.num_rows,
-                             table.schema.serialize().to_pybytes())
+    if os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        writer = ShareWriter(table.schema, expected_rows=table.num_rows,
+                             what="the pandas DataFrame's rows")
+        data._held.append(writer.fd)
+        for batch in table.to_batches(max_chunksize=65536):
+            writer.write(batch)
+        writer.finish()
+        path = f"/proc/{os.getpid()}/fd/{writer.fd}"  # other processes of this user open it
+    else:  # no /proc (macOS): a named file in a private folder, removed when the run ends
+        folder = tempfile.mkdtemp(prefix="ddl_magic-share-")
+        data._folders.append(folder)
+        path = os.path.join(folder, f"{name}.arrow")
+        with pyarrow.ipc.new_file(path, table.schema) as file:
+            for batch in table.to_batches(max_chunksize=65536):
+                file.write_batch(batch)
+    source = ArrowFileShares(path, np, table.num_rows, table.schema.serialize().to_pybytes())
     return (Share(name, source, "pandas DataFrame"),
             shares_line(name, "pandas DataFrame", table.num_rows, np))
 
@@ -177,11 +190,6 @@ def _checked(schema: pyarrow.Schema, columns, where: str) -> list[str]:
         return check_columns(schema, columns)
     except (KeyError, UnsupportedColumnError) as exc:
         raise type(exc)(f"{where}: {exc.args[0]}") from None
-
-
-def _shared_path(fd: int) -> str:
-    """A path other processes of this user open to reach the file behind `fd`."""
-    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def _is_pandas(value: object) -> bool:
