@@ -169,14 +169,14 @@ def hold_then_die(train):
     hvd.barrier()
 
 
-def _open_share_files() -> list[str]:
-    """Share files (unlinked) some process on this machine still holds."""
+def _open_share_files(folder) -> list[str]:
+    """Share files (unlinked) in `folder` that some process on this machine still holds."""
     held = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if "ddl_magic-share-" in target:
+                if target.startswith(os.path.join(str(folder), "ddl_magic-share-")):
                     held.append(f"{pid}: {target}")
         except OSError:
             continue
@@ -188,12 +188,18 @@ def test_nothing_left_on_disk_after_a_sigkilled_rank(tmp_path, monkeypatch):
     with pytest.raises(RankFailedError, match="SIGKILL"):
         HorovodRunner(np=-2).run(hold_then_die, train=_frame(100))
     assert os.listdir(tmp_path) == []  # the files never had a name there
-    assert _open_share_files() == []
+    assert _open_share_files(tmp_path) == []
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"}, cwd=str(tmp_path_factory.mktemp("data")))
+def shares_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("shares")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory, shares_folder):
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text", "DDL_MAGIC_SHARE_DIR": str(shares_folder)},
+                    cwd=str(tmp_path_factory.mktemp("data")))
     setup = kernel.run("%load_ext ddl_magic\nimport numpy as np, pandas as pd\n"
                        "df = pd.DataFrame({'id': np.arange(10), 'x': np.arange(10.0)})\n"
                        "other = pd.DataFrame({'id': np.arange(100, 106)})")
@@ -224,12 +230,12 @@ def test_the_magic_gives_a_cell_its_data_and_a_pool_keeps_it_across_cells(kernel
     kernel.run("%horovod stop")
 
 
-def test_a_killed_kernel_leaves_no_share_behind(kernel):
+def test_a_killed_kernel_leaves_no_share_behind(kernel, shares_folder):
     started = kernel.run("%horovod start -np 2 --local --data train=df")
     assert started.error is None, started.error
-    assert _open_share_files()  # the ranks hold their shares, the driver none
+    assert _open_share_files(shares_folder)  # the ranks hold their shares
     os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
     end = time.monotonic() + 10  # the ranks exit once their control connection closes
-    while _open_share_files() and time.monotonic() < end:
+    while _open_share_files(shares_folder) and time.monotonic() < end:
         time.sleep(0.1)
-    assert _open_share_files() == []
+    assert _open_share_files(shares_folder) == [] and os.listdir(shares_folder) == []
