@@ -12,7 +12,9 @@ WIDTH = 784
 
 def local_spark(memory: str = "6g"):
     """A local[4] SparkSession as the tests make it, with room to cache the DataFrame."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # This Python, also where the caller's environment names another (`data.py` starts the
+    # peers' script from its own venv): Spark's Python workers must run the driver's pyspark.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
