@@ -76,6 +76,21 @@ def test_parquet_split_by_row_groups_through_ddlrun(tmp_path, capfd):
     assert "[0] rows 300 unique 600 of 600" in out and "[1] rows 300" in out
 
 
+def test_a_delta_table_split_among_the_ranks_with_its_partition_column(tmp_path, capfd):
+    deltalake = pytest.importorskip("deltalake")
+    frame = _frame(90).assign(part=lambda df: df["id"] % 3)
+    deltalake.write_deltalake(str(tmp_path / "table"), frame[["id", "part"]], partition_by=["part"])
+    results = distributed(np=2)(read_parts).distributed(train=Data(tmp_path / "table"))
+    assert "train: Delta table (version 0) (3 files, 3 row groups) → each rank's share, 90 rows" in capfd.readouterr().out
+    rows = sorted(row for result in results for row in result)
+    assert rows == sorted((i, i % 3) for i in range(90))
+
+
+def read_parts(train):
+    return [(int(i), int(p)) for batch in train.loader(batch_size=5, drop_last=False)
+            for i, p in zip(batch["id"], batch["part"])]
+
+
 def delete_then_read(train, path):
     import ddl_magic.torch as hvd
 
