@@ -98,11 +98,17 @@ class ShareWriter:
         self._expected_rows = expected_rows
         self._what = what
         self._sink = _file_sink(self.fd)
-        self._writer = pyarrow.ipc.new_file(self._sink, schema)
+        self._writer = None  # made with the first batch's schema, or `schema` if none comes
 
     def write(self, batch: pyarrow.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
+        if self._writer is None:
+            if batch.schema.names == self.schema.names:
+                # The same columns, as the source typed them (a list's element name or
+                # nullability may differ from `schema`'s): written as they come, uncopied.
+                self.schema = batch.schema
+            self._writer = pyarrow.ipc.new_file(self._sink, self.schema)
         if batch.schema != self.schema:
             batch = pyarrow.RecordBatch.from_arrays(
                 [batch.column(i).cast(field.type) for i, field in enumerate(self.schema)],
@@ -125,6 +131,8 @@ class ShareWriter:
 
     def finish(self) -> ShareSummary:
         """Close the file's writer (the descriptor stays open) and return the summary."""
+        if self._writer is None:  # no rows: a file of the schema alone
+            self._writer = pyarrow.ipc.new_file(self._sink, self.schema)
         self._writer.close()
         self._sink.close()
         return self.summary
