@@ -51,15 +51,17 @@ class RowNotingNet(torch.nn.Module):
 
 
 def shards_left() -> list[str]:
-    """Shares some process still holds (files with no name: nothing is ever left on disk),
-    or left on disk by name (never)."""
+    """Shares a process of this test session still holds (files with no name: nothing is
+    ever left on disk), or left on disk by name (never)."""
+    import psutil
+
     named = glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-share-*"),
                       recursive=True)
     held = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
-            held += [target for fd in os.listdir(f"/proc/{pid}/fd")
-                     if "ddl_magic-share-" in (target := os.readlink(f"/proc/{pid}/fd/{fd}"))]
+            held += [target for fd in os.listdir(f"/proc/{process.pid}/fd")
+                     if "ddl_magic-share-" in (target := os.readlink(f"/proc/{process.pid}/fd/{fd}"))]
         except OSError:
             continue
     return named + held
