@@ -116,6 +116,13 @@ def connect_subset(members: tuple[int, ...], ports: dict[int, int],
     return runtime
 
 
+def is_open(runtime: Runtime) -> bool:
+    """Whether `runtime` still runs collectives: the run's ring, or a set's ring that neither
+    `close_subset` nor `shutdown` (the run's ring re-formed) has closed."""
+    with _lock:
+        return runtime is _runtime or runtime in _subsets
+
+
 def close_subset(runtime: Runtime) -> None:
     """Leave a process set's ring (its members call this together)."""
     with _lock:
