@@ -64,9 +64,10 @@ def full_weights(model) -> list:
             for p in model.parameters()]
 
 
-def train_hsdp(backend: str) -> dict:
+def train_hsdp(backend: str, checkpoint_to: str | None = None) -> dict:
     """HSDP: parameters sharded over the "shard" dimension (2 ranks), replicated over the
-    "replicate" one (2 ranks); each rank trains on its quarter of the batch."""
+    "replicate" one (2 ranks); each rank trains on its quarter of the batch. The trained
+    model is saved with `torch.distributed.checkpoint` to `checkpoint_to`, if given."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -81,6 +82,10 @@ def train_hsdp(backend: str) -> dict:
     fully_shard(model, mesh=mesh)
     x, y = data()
     losses = train(model, (x[rank::size], y[rank::size]))
+    if checkpoint_to is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint_to)
     return {"weights": full_weights(model), "losses": losses,
             "shard_shapes": [tuple(p.to_local().shape) for p in model.parameters()]}
 

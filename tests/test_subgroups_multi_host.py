@@ -1,0 +1,133 @@
+"""Sub-groups and HSDP on the `ddl` backend across two hosts (`two_host_cluster.py`, Spark
+barrier tasks): groups within a host (shared memory) and across hosts (TCP) give the sums,
+gathers and reduce-scatters they must, HSDP trains to the weights of one process, and its
+checkpoint, saved by 4 ranks (2 per host), loads on 8 (4 per host).
+
+gloo is the reference on one host (`test_torch_subgroups.py`) but cannot run here: it connects
+to the address its host name resolves to, which in a worker's namespace is 127.0.0.1.
+
+Needs root for the namespaces; skips with the reason elsewhere. Its cluster offers 4 slots per
+host, for the run of 8, and starts once for the module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import large_models
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.launch.spark import SparkLauncher
+from ddl_magic.wire.tasks import FunctionTask
+from spark_sessions import sent_by_value
+from two_host_cluster import TwoHostCluster, Unavailable
+
+RUN_TIMEOUT_S = 180
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def spark():
+    try:
+        cluster = TwoHostCluster(cores_per_host=4).start()
+    except Unavailable as why:
+        pytest.skip(str(why))
+    try:
+        with pytest.MonkeyPatch.context() as patch, \
+                sent_by_value(sys.modules[__name__], large_models):
+            patch.setenv("PYSPARK_PYTHON", sys.executable)
+            patch.setenv("SPARK_LOCAL_IP", cluster.driver_address)
+            session = cluster.spark_session("ddl_magic sub-groups on two hosts", 8)
+            yield session
+            session.stop()
+    finally:
+        cluster.stop()
+
+
+def run_on_cluster(function, np: int, **kwargs) -> list:
+    options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
+    return Job(FunctionTask(function, kwargs), np, SparkLauncher(), options).run().results
+
+
+def groups_and_hsdp(path: str) -> dict:
+    """A few collectives over a group of each host's ranks and a group across the hosts,
+    then HSDP, whose checkpoint this rank helps save to `path`."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("ddl")
+    rank = dist.get_rank()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    on_my_host = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    on_the_other = [r for r, host in enumerate(hosts) if host != hosts[rank]]
+    across = [rank, on_the_other[on_my_host.index(rank)]]  # the other host's rank in my place
+    groups = {}
+    for ranks in sorted({tuple(sorted(r for r, h in enumerate(hosts) if h == host)) for host in hosts}):
+        groups[ranks] = dist.new_group(list(ranks))  # one per host, every rank in the same order
+    pairs = sorted({tuple(sorted((a, b))) for a in range(len(hosts)) for b in range(len(hosts))
+                    if hosts[a] != hosts[b]})
+    for pair in pairs:
+        groups[pair] = dist.new_group(list(pair))
+    seen = {"hosts": hosts}
+    for name, ranks in (("within_host", tuple(on_my_host)), ("across_hosts", tuple(sorted(across)))):
+        group = groups[ranks]
+        total = torch.tensor([rank + 1.0, 2.0 ** rank])
+        dist.all_reduce(total, group=group)
+        gathered = torch.zeros(2 * len(ranks))
+        dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), group=group)
+        part = torch.zeros(1)
+        dist.reduce_scatter_tensor(part, torch.arange(float(len(ranks))) * (rank + 1), group=group)
+        seen[name] = {"ranks": ranks, "sum": total.tolist(), "gathered": gathered.tolist(),
+                      "reduce_scattered": part.tolist()}
+    trained = large_models.train_hsdp("ddl", checkpoint_to=path)
+    seen["hsdp"] = {"weights": trained["weights"], "losses": trained["losses"]}
+    return seen
+
+
+def load_on_eight(path: str) -> list:
+    """FSDP2 over all 8 ranks (4 per host) loads the HSDP model 4 ranks saved."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("ddl")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = large_models.block_model()
+    for block in model[:2]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    return large_models.full_weights(model)
+
+
+@pytest.mark.timeout(420)  # the cluster (~30 s, more under load) and two Spark runs
+def test_sub_groups_and_hsdp_across_two_hosts_and_their_checkpoint_loads_on_8_ranks(spark, tmp_path):
+    path = str(tmp_path / "hsdp")
+    over_ddl = run_on_cluster(groups_and_hsdp, 4, path=path)
+    hosts = over_ddl[0]["hosts"]
+    assert len(set(hosts)) == 2 and all(hosts.count(host) == 2 for host in hosts), hosts
+    alone = large_models.train_alone()
+    for rank, seen in enumerate(over_ddl):
+        assert seen["within_host"]["ranks"] != seen["across_hosts"]["ranks"]
+        for name in ("within_host", "across_hosts"):
+            ranks = seen[name]["ranks"]
+            assert seen[name]["sum"] == [sum(r + 1.0 for r in ranks), sum(2.0 ** r for r in ranks)]
+            assert seen[name]["gathered"] == [float(r) for r in ranks for _ in range(2)]
+            # sum over the pair of arange(2) * (r + 1); this rank keeps element (its place)
+            place = ranks.index(rank)
+            assert seen[name]["reduce_scattered"] == [place * sum(r + 1.0 for r in ranks)]
+        for got, expected in zip(seen["hsdp"]["weights"], alone):
+            torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+    loaded = run_on_cluster(load_on_eight, 8, path=path)
+    for weights in loaded:
+        for got, expected in zip(weights, over_ddl[0]["hsdp"]["weights"]):
+            assert torch.equal(got, expected)
