@@ -17,6 +17,8 @@ from ..driver.job import Job, JobOptions, check_max_restarts, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
+from ..launch.local import LocalLauncher
+from ..rank.memory_cap import capped_environment
 from .ddlrun import parse_env
 from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
 from .runner import make_launcher
@@ -73,6 +75,10 @@ class HorovodMagics(Magics):
               help="stop all ranks if the cell runs longer than this")
     @argument("--env", action="append", default=[], metavar="KEY=VALUE",
               help="set an environment variable on every rank (repeatable)")
+    @argument("--memory-per-rank", dest="memory_per_rank", metavar="SIZE",
+              help="cap each local rank's memory (e.g. 2GiB): a rank that goes over it is killed "
+                   "by the OOM killer and named so, as on a machine that small (a memory cgroup "
+                   "per rank: Linux with cgroup v1, as root)")
     @argument("--gpu", action="store_true",
               help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
     @argument("--quiet", action="store_true",
@@ -165,8 +171,12 @@ class HorovodMagics(Magics):
             raise HorovodUsageError("choose one of --spark and --local")
         if args.out is not None and not args.out.isidentifier():
             raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
+        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         try:
             env = parse_env(args.env)
+            if args.memory_per_rank is not None:
+                env.update(capped_environment(args.memory_per_rank,
+                                              not isinstance(launcher, LocalLauncher)))
         except ValueError as exc:
             raise HorovodUsageError(str(exc)) from None
         # The leading newline stands for the %%horovod line, so tracebacks from the ranks
@@ -179,7 +189,6 @@ class HorovodMagics(Magics):
         if captured.is_large:
             print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
                   "load large data on each rank (from files) instead of capturing it")
-        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
         options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
                              timeline_path=args.timeline, use_gpu=args.gpu,
                              title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
