@@ -18,12 +18,15 @@ controller, not root), `unavailable()` says why, and the run is refused before i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
 
 VARIABLE = "DDL_MAGIC_MEMORY_PER_RANK"
 CONTROLLER = "/sys/fs/cgroup/memory"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD = 1 << 20
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -90,11 +93,28 @@ def cgroup_of(pid: int) -> str:
 
 def cap_this_process(limit: int) -> None:
     """Put this process (a freshly forked rank) in a memory cgroup of its own, limited to
-    `limit` bytes. Its children go with it."""
+    `limit` bytes. Its children go with it.
+
+    It also returns what it frees to the kernel: glibc serves a large allocation with mmap
+    only up to a threshold that grows to the largest block freed so far, and from its heap
+    above that, where freed memory mostly stays with the process. FSDP2 allocates and frees
+    a whole layer's parameters and gradients every step: freed, they would still count
+    against the cap (a rank's memory then grows by hundreds of MB over a few steps, over gloo
+    as over ddl). A fixed threshold keeps every block over 1 MiB in mmap, returned when freed.
+    """
     path = cgroup_of(os.getpid())
     os.mkdir(path)
     _write(os.path.join(path, "memory.limit_in_bytes"), str(limit))
     _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
+    _return_large_blocks_when_freed()
+
+
+def _return_large_blocks_when_freed() -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    except (OSError, AttributeError):  # not glibc: its allocator is its own
+        pass
 
 
 def machine_oom_kills() -> int:

@@ -118,6 +118,9 @@ class DdlProcessGroup(dist.ProcessGroup):
         self._pairs: dict[tuple[int, int], Runtime] = {}  # send/recv rings, by group ranks
         self._prefix = f"ddl{group_id}"
         self._calls: Counter = Counter()
+        # Each name's collective until it completes (a name is reused NAME_WINDOW calls later):
+        # a completed one is dropped at once, or its output (FSDP2's all-gathered layer) would
+        # be kept alive for NAME_WINDOW calls.
         self._in_flight: dict[str, Handle] = {}
         self._group_name = ""
         self._group_desc = ""
@@ -191,6 +194,8 @@ class DdlProcessGroup(dist.ProcessGroup):
         handle = queue.submit(Request.of(name, kind, tensor, **fields), tensor, output,
                               wait_follows=waited_at_once, on_done=finish, fused=True)
         self._in_flight[name] = handle
+        if handle.done():  # it completed before it was kept (a world of one runs at once)
+            self._in_flight.pop(name, None)
         return handle
 
     def _work(self, api: str, submissions, value, opts, runtime: Runtime | None = None,
@@ -207,6 +212,8 @@ class DdlProcessGroup(dist.ProcessGroup):
         failed = []
 
         def finish(handle: Handle, after) -> None:
+            if self._in_flight.get(handle.name) is handle:
+                self._in_flight.pop(handle.name, None)
             try:
                 output = handle.wait()  # complete: returns at once, or raises its error
                 if after is not None:
