@@ -218,6 +218,12 @@ def groups_created_wrongly() -> dict:
             dist.all_reduce(torch.ones(1), group=pair)
         except RuntimeError as exc:
             seen["never_joined"] = str(exc)
+    try:  # a mesh of 6 over a run of 4
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_device_mesh("cpu", (3, 2))
+    except RuntimeError as exc:
+        seen["mesh_too_big"] = str(exc)
     if rank == 2:  # the others never create it
         try:
             dist.new_group([2, 3])
@@ -240,5 +246,7 @@ def test_groups_created_wrongly_end_with_errors_that_name_the_ranks_and_what_to_
         assert "over ranks [0, 1]" in message and "[0, 2, 3]" in message, message
         assert "same ranks, in the same order" in message
     assert "different_ranks" not in seen[0] and "different_ranks" not in seen[1]
+    assert all("Mesh should not be bigger than default world size 4, but found 6 ranks"
+               in s["mesh_too_big"] for s in seen)  # torch's words, before any group is made
     message = seen[2]["created_on_one_rank"]
     assert "ranks [3]" in message and "DDL_MAGIC_TIMEOUT" in message and "new_group" in message, message

@@ -1,4 +1,5 @@
-"""The `ddl` backend for torch.distributed: DDP, FSDP, FSDP2 and DTensor over ddl_magic's runtime.
+"""The `ddl` backend for torch.distributed: DDP, FSDP2, HSDP, tensor parallelism, DTensor and
+DeepSpeed over ddl_magic's runtime.
 
     import torch.distributed as dist
     dist.init_process_group("ddl")          # in any rank ddl_magic launched
