@@ -145,8 +145,7 @@ def peak_memory(strategy: str, layers: int) -> dict:
     model(inputs).square().mean().backward()
     optimizer.step()
     return {"peak_bytes": _resident("VmHWM"), "baseline_bytes": baseline,
-            "parameters": sum(p.numel() for p in model.parameters()) * (
-                dist.get_world_size() if strategy == "fsdp2" else 1)}
+            "parameters": sum(p.numel() for p in model.parameters())}  # a DTensor's: the whole
 
 
 def _resident(field: str) -> int:
