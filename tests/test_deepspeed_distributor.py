@@ -105,6 +105,7 @@ if rank == 0:
 """
 
 
+@pytest.mark.timeout(300)  # a SparkSession, and DeepSpeed imported on each rank (~10 s)
 @pytest.mark.parametrize("spark", ["classic"], indirect=True)
 def test_a_script_on_spark_gets_its_config_as_deepspeeds_arguments(spark, tmp_path):
     import json
