@@ -121,9 +121,21 @@ def subgroup_collectives(backend: str) -> dict:
     return seen
 
 
+def collectives_then_training(backend: str) -> dict:
+    """Everything this module checks on 4 ranks, in one run per backend (a launch costs seconds)."""
+    return {"collectives": subgroup_collectives(backend), "hsdp": large_models.train_hsdp(backend),
+            "fsdp_tp": large_models.train_fsdp_tp(backend)}
+
+
 @pytest.fixture(scope="module")
-def collectives():
-    return {backend: run_on_ranks(subgroup_collectives, NP, backend=backend) for backend in ("ddl", "gloo")}
+def runs():
+    return {backend: run_on_ranks(collectives_then_training, NP, backend=backend)
+            for backend in ("ddl", "gloo")}
+
+
+@pytest.fixture(scope="module")
+def collectives(runs):
+    return {backend: [rank["collectives"] for rank in ranks] for backend, ranks in runs.items()}
 
 
 def test_every_collective_over_a_sub_group_gives_what_gloo_gives(collectives):
@@ -160,16 +172,6 @@ def test_sub_group_collectives_give_the_expected_values(collectives):
 
 # ---- the large-model stack -------------------------------------------------------------------
 
-def hsdp_and_tensor_parallel(backend: str) -> dict:
-    return {"hsdp": large_models.train_hsdp(backend), "fsdp_tp": large_models.train_fsdp_tp(backend)}
-
-
-@pytest.fixture(scope="module")
-def trained():
-    return {backend: run_on_ranks(hsdp_and_tensor_parallel, NP, backend=backend)
-            for backend in ("ddl", "gloo")}
-
-
 def assert_close(weights, reference) -> None:
     assert len(weights) == len(reference)
     for got, expected in zip(weights, reference):
@@ -177,9 +179,9 @@ def assert_close(weights, reference) -> None:
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
-def test_hsdp_and_fsdp_with_tensor_parallel_train_to_the_weights_of_gloo_and_one_process(trained, layout):
+def test_hsdp_and_fsdp_with_tensor_parallel_train_to_the_weights_of_gloo_and_one_process(runs, layout):
     alone = large_models.train_alone()
-    over_ddl, over_gloo = trained["ddl"], trained["gloo"]
+    over_ddl, over_gloo = runs["ddl"], runs["gloo"]
     for rank in range(NP):  # full_tensor() gathers the same on every rank
         assert all(torch.equal(w, r) for w, r in zip(over_ddl[rank][layout]["weights"],
                                                      over_ddl[0][layout]["weights"])), rank
@@ -189,12 +191,12 @@ def test_hsdp_and_fsdp_with_tensor_parallel_train_to_the_weights_of_gloo_and_one
     assert_close(over_ddl[0][layout]["weights"], alone)
 
 
-def test_each_rank_holds_its_shard_of_a_2d_layout(trained):
-    hsdp = [result["hsdp"] for result in trained["ddl"]]
+def test_each_rank_holds_its_shard_of_a_2d_layout(runs):
+    hsdp = [result["hsdp"] for result in runs["ddl"]]
     # HSDP shards dim 0 over the 2 ranks of "shard": up.weight (32, 8) is 16 rows on each
     assert all(r["shard_shapes"][0] == (16, 8) for r in hsdp)
     # tensor parallel: up's 32 output columns, 16 per "tp" rank, and dp shards those rows again
-    assert all(r["fsdp_tp"]["up_local_shape"] == (8, 8) for r in trained["ddl"])
+    assert all(r["fsdp_tp"]["up_local_shape"] == (8, 8) for r in runs["ddl"])
 
 
 # ---- what goes wrong, said ---------------------------------------------------------------------
