@@ -382,3 +382,45 @@ def test_the_report_for_frontends_without_widgets_is_the_final_table_and_the_out
     assert "rank 1 on node-a failed: exception\nTraceback (most recent call last)" in text
     html_report = view.report_html()
     assert "failed after" in html_report and "hello from 1" in html_report and "&lt;1&gt;" in html_report
+
+
+def test_a_run_over_before_widget_after_s_shows_its_report_and_makes_no_widget(monkeypatch):
+    # A pool's cells: most end in milliseconds, and widgets cost more than the cell itself.
+    shown = []
+    monkeypatch.setattr("IPython.display.display",
+                        lambda bundle, **kwargs: shown.append(bundle) or _Handle(shown))
+    view = make_view(widget_after_s=60.0)
+    view.display()
+    view.handle(RankStarted(0, "node-a", 11))
+    view.handle(out(0, "hello"))
+    view.refresh()
+    assert shown == []  # nothing yet: the report comes when the run ends
+    view.finish("done")
+    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" not in shown[0]
+    assert "[0] hello" in shown[0]["text/plain"] and "done in" in shown[0]["text/html"]
+
+
+def test_a_run_that_outlasts_widget_after_s_gets_the_full_view(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display",
+                        lambda bundle, **kwargs: shown.append(bundle) or _Handle(shown))
+    view = make_view(widget_after_s=0.0)
+    view.display()
+    view.handle(out(1, "still going"))
+    view.refresh()
+    assert "application/vnd.jupyter.widget-view+json" in shown[0]
+    assert "still going" in tab_text(view, 2)
+    view.finish("done")
+    assert "[1] still going" in shown[-1]["text/plain"]
+    assert shown[-1]["application/vnd.jupyter.widget-view+json"] == shown[0][
+        "application/vnd.jupyter.widget-view+json"]
+
+
+class _Handle:
+    """What `display(..., display_id=True)` returns: `update` replaces the output."""
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    def update(self, bundle, **kwargs):
+        self.shown.append(bundle)
