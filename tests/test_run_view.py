@@ -12,6 +12,7 @@ import pytest
 from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView
 from ddl_magic.ui.run_view import FAILED_ROW_BACKGROUND
+from displays import fed
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "<cell>", line 3\nRuntimeError: loss is NaN <1>\n'
 
@@ -22,7 +23,7 @@ def out(rank, text, stream="stdout", replace=False):
 
 def make_view(np=2, **kwargs):
     kwargs.setdefault("log_dir", "/tmp/ddl_magic/run-7")
-    return RunView(np, "%%horovod -np 2", **kwargs)
+    return fed(lambda records: RunView(records, "%%horovod -np 2", **kwargs), np, kwargs["log_dir"])
 
 
 def tab_text(view, index):
@@ -263,7 +264,8 @@ def test_the_lanes_are_drawn_once_more_when_the_run_ends():
 
 def test_sixteen_ranks_and_many_lines_stay_bounded():
     np, lines_per_rank, max_lines = 16, 10_000, 500
-    view = RunView(np, "%%horovod -np 16", "/tmp/ddl_magic/run-9", max_lines=max_lines)
+    view = fed(lambda records: RunView(records, "%%horovod -np 16", "/tmp/ddl_magic/run-9",
+                                       max_lines=max_lines), np, "/tmp/ddl_magic/run-9")
     started = time.perf_counter()
     for i in range(lines_per_rank):
         for rank in range(np):

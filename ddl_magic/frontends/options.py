@@ -11,13 +11,13 @@ from ..driver.text_display import TextDisplay
 DISPLAY_ENV = "DDL_MAGIC_DISPLAY"
 
 
-def make_display(ranks: "int | list[RankRecord]", *, quiet: bool = False, log_dir: str | None = None,
+def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str | None = None,
                  title: str = "", timeline_path: str | None = None,
                  widget_after_s: float | None = None) -> RunDisplay:
     """The display for a run: the widget run view in a Jupyter kernel, else text.
 
     ``ranks`` is the run's list of `RankRecord`, which the driver keeps and the display
-    renders, or a number of ranks for a display that keeps its own from the events.
+    renders.
 
     Set ``DDL_MAGIC_DISPLAY=text`` to get the text display in a kernel too (frontends that do
     not render widgets). ``quiet`` prints only failures and the closing line, in any setting.
@@ -27,7 +27,8 @@ def make_display(ranks: "int | list[RankRecord]", *, quiet: bool = False, log_di
 
     Example::
 
-        display = make_display(4, log_dir="/tmp/ddl_magic/run-1", title="%%horovod -np 4")
+        display = make_display(new_records(4), log_dir="/tmp/ddl_magic/run-1",
+                               title="%%horovod -np 4")
     """
     if quiet:
         return TextDisplay(ranks, log_dir=log_dir, quiet=True)

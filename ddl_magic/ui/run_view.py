@@ -40,7 +40,7 @@ import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..driver.events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
-from ..driver.records import RankRecord, RankStatus, new_records
+from ..driver.records import RankRecord, RankStatus
 from ..driver.run_report import FAILED_ROW_BACKGROUND, STATUS_COLOURS
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
@@ -109,31 +109,32 @@ class RankOutputView:
 class RunView:
     """A live ipywidgets view of one run's ranks.
 
-    ``ranks`` is the run's list of `RankRecord` (the driver keeps them up to date and the
-    view renders them), or a number of ranks for a view that keeps its own records from the
-    events it is given.
+    ``ranks`` is the run's list of `RankRecord`: the driver applies each event to its rank's
+    record (`RankRecord.apply`, its own decisions besides), then hands the event to the view,
+    which renders the records.
 
     Example::
 
-        view = RunView(4, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
+        records = new_records(4, "/tmp/ddl_magic/run-1")
+        view = RunView(records, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
         view.display()
         for event in events:           # the driver's drain loop
+            records[event.rank].apply(event)
             view.handle(event)
             view.refresh()             # the driver calls this at most every ~100 ms
         view.finish(RunStatus.DONE)
     """
 
-    def __init__(self, ranks: int | list[RankRecord], title: str, log_dir: str | None,
+    def __init__(self, ranks: list[RankRecord], title: str, log_dir: str | None,
                  max_lines: int = 500, timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
                  timeline_share: float = LIVE_TIMELINE_SHARE, timeline_path: str | None = None,
                  widget_after_s: float | None = None) -> None:
-        np = ranks if isinstance(ranks, int) else len(ranks)
+        np = len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
         if max_lines < 1:
             raise ValueError(f"max_lines must be at least 1, got {max_lines}")
-        self._keeps_records = isinstance(ranks, int)
-        self._records = new_records(np, log_dir) if self._keeps_records else ranks
+        self._records = ranks
         self.np = np
         self.title = title
         self.log_dir = log_dir
@@ -229,8 +230,6 @@ class RunView:
             self._failures.clear()
             return
         rank = self._rank(event.rank)
-        if self._keeps_records:
-            self._records[event.rank].apply(event)
         if isinstance(event, RankOutput):
             self._add_output(rank, event)
         elif isinstance(event, RankFailed) and self._records[event.rank].status is RankStatus.FAILED:
