@@ -27,8 +27,7 @@ def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str |
 
     Example::
 
-        display = make_display(new_records(4), log_dir="/tmp/ddl_magic/run-1",
-                               title="%%horovod -np 4")
+        display = make_display(new_records(4), log_dir="/tmp/ddl_magic/run-1", title="%%horovod -np 4")
     """
     if quiet:
         return TextDisplay(ranks, log_dir=log_dir, quiet=True)
