@@ -55,13 +55,13 @@ def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=N
     return TextDisplay(ranks, log_dir=log_dir, quiet=True)
 
 
+POOL_WIDGETS_AFTER_S = 0.5
+
+
 def _pool_cell_display(ranks, **options):
     """A pool cell's display: its run view's widgets only once the cell has lasted
     `POOL_WIDGETS_AFTER_S` (most cells are over in milliseconds: they show their report)."""
     return make_display(ranks, widget_after_s=POOL_WIDGETS_AFTER_S, **options)
-
-
-POOL_WIDGETS_AFTER_S = 0.5
 
 
 def _parser() -> argparse.ArgumentParser:
