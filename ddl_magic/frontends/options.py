@@ -12,8 +12,7 @@ DISPLAY_ENV = "DDL_MAGIC_DISPLAY"
 
 
 def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str | None = None,
-                 title: str = "", timeline_path: str | None = None,
-                 widget_after_s: float | None = None) -> RunDisplay:
+                 title: str = "", timeline_path: str | None = None) -> RunDisplay:
     """The display for a run: the widget run view in a Jupyter kernel, else text.
 
     ``ranks`` is the run's list of `RankRecord`, which the driver keeps and the display
@@ -22,8 +21,7 @@ def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str |
     Set ``DDL_MAGIC_DISPLAY=text`` to get the text display in a kernel too (frontends that do
     not render widgets). ``quiet`` prints only failures and the closing line, in any setting.
     ``timeline_path``, for a run that records one, is where the run view reads the finished
-    run's timeline from, to draw it in its own figure. ``widget_after_s``: the run view
-    makes its widgets only once the run has lasted that long (see `RunView`).
+    run's timeline from, to draw it in its own figure.
 
     Example::
 
@@ -34,8 +32,7 @@ def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str |
     if shows_run_view():
         from ..ui.run_view import RunView  # ipywidgets load only where a widget is shown
 
-        return RunView(ranks, title, log_dir, timeline_path=timeline_path,
-                       widget_after_s=widget_after_s)
+        return RunView(ranks, title, log_dir, timeline_path=timeline_path)
     return TextDisplay(ranks, log_dir=log_dir)
 
 

@@ -46,22 +46,13 @@ def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None 
     empty; the others keep their state) while `min_np` ranks are left, instead of breaking
     the pool; `pool.replaced` says what each replacement said.
     """
-    display = _quiet_display if quiet else _pool_cell_display
+    display = _quiet_display if quiet else make_display
     return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
                 display=display, min_np=min_np).start()
 
 
 def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
     return TextDisplay(ranks, log_dir=log_dir, quiet=True)
-
-
-POOL_WIDGETS_AFTER_S = 0.5
-
-
-def _pool_cell_display(ranks, **options):
-    """A pool cell's display: its run view's widgets only once the cell has lasted
-    `POOL_WIDGETS_AFTER_S` (most cells are over in milliseconds: they show their report)."""
-    return make_display(ranks, widget_after_s=POOL_WIDGETS_AFTER_S, **options)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,11 +20,11 @@ Each log keeps only its last ``max_lines`` lines; the full logs are on disk in `
 Widgets cost: each is a model the kernel opens in the frontend, its state sent whole. The
 view's HTML parts share one layout and one style (a dozen models instead of 25), and the
 text a frontend without widgets shows is the view's own report, not ipywidgets' repr of
-every trait. With ``widget_after_s`` (a pool's cells, which are mostly a few milliseconds
-long, as ipyparallel's are), no widget is made until the run has lasted that long: a run
-that ends sooner shows its final report as HTML and text (what a saved notebook shows of
-any run, without tabs), like tqdm's ``delay``; a longer one, or one with a timeline, gets
-the full view.
+every trait. With ``widget_after_s`` (tqdm's ``delay``), no widget is made until the run
+has lasted that long: a run that ends sooner shows its final report as HTML and text (what
+a saved notebook shows of any run, without tabs); a longer one, or one with a timeline,
+gets the full view. No front-end asks for it yet: the labs' browser test expects every
+pool cell to show the widget view.
 """
 
 from __future__ import annotations
