@@ -22,7 +22,6 @@ from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
 from .planes import choose_plane
-from .planes.shared_memory_plane import SharedMemoryPlane
 from .planes.tcp import RingTransport
 from .settings import Settings
 from .world import Peer, World, derive_world, single_process_world
@@ -144,8 +143,8 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
     # the plane is chosen once per ring (a process set's too)
     plane = choose_plane(connections.ring, connections.host_group, connections.cross)
     runner = CollectiveRunner(plane, world.rank, world.size)
-    if isinstance(plane, SharedMemoryPlane):  # one host: negotiate in lockstep through it too
-        queue: OpQueue = SharedMemoryOpQueue(runner, connections.host_group, settings.fusion_threshold,
+    if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
+        queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,
                                              settings.cycle_time_s, settings.stall_time_s,
                                              settings.timeout_s)
     else:
