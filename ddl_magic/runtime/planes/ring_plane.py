@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 class RingPlane:
     """The TCP ring: `ring.py`'s algorithms, each step observed for the timeline."""
 
+    lockstep_group = None  # the ring leaves the host (or is a world of one)
+
     def __init__(self, transport: RingTransport):
         self.transport = transport
         self.name = "none" if transport.world.size == 1 else "tcp"
