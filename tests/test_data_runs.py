@@ -164,12 +164,17 @@ def count_rows(train):
     return steps
 
 
-def test_torch_distributor_and_a_bad_column_refused_before_launch():
+def test_torch_distributor_and_bad_columns_and_values_refused_before_launch():
     assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
         count_rows, train=_frame(45)) == 2
     frame = _frame(10).assign(city="x")
-    with pytest.raises(TypeError, match="column 'city' is string"):
+    with pytest.raises(TypeError, match="train: column 'city' is string"):
         HorovodRunner(np=-2).run(count_rows, train=frame)
+    with pytest.raises(ValueError, match=r"train: columns with nulls .*'x' \(2 nulls\)"):
+        HorovodRunner(np=-2).run(count_rows, train=_frame(10).assign(x=[None, 1.0, None] + [2.0] * 7))
+    uneven = _frame(10).assign(v=[np.ones(3 if i else 2, np.float32) for i in range(10)])
+    with pytest.raises(ValueError, match="column 'v' holds arrays of 2 to 3 values"):
+        HorovodRunner(np=-2).run(count_rows, train=Data(uneven, columns=["id", "v"]))
     HorovodRunner(np=-2).run(count_rows, train=Data(frame, columns=["id"]))
 
 

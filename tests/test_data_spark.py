@@ -48,28 +48,13 @@ def read_twice(train, val):
 
 
 def test_spark_hash_partitioning_sends_each_key_to_its_rank(spark):
+    classic_only(spark, "Spark's hash is the same behind either session")
     hashes = spark.range(0, 40).select("id", functions.hash("id").alias("h")).collect()
     assert all(spark_hash_long(row.id) == row.h for row in hashes)
     keys = partition_keys(3)
     placed = (spark.createDataFrame([(key,) for key in keys], "key long").repartition(3, "key")
               .select("key", functions.spark_partition_id().alias("p")).collect())
     assert sorted((keys.index(row.key), row.p) for row in placed) == [(0, 0), (1, 1), (2, 2)]
-
-
-def test_two_dataframes_reach_every_rank_each_row_once_per_epoch(spark, capfd):
-    classic_only(spark, "the Connect session's stage is the same DataFrame stage, run by "
-                        "TorchDistributor's test")
-    train, val = numbered(spark, 1001, 3), numbered(spark, 30, 4).where("id < 9")
-    results = HorovodRunner(np=2).run(read_twice, train=train, val=val)
-    out = capfd.readouterr().out
-    assert "train: DataFrame → each rank's share, 1,001 rows in 2 shares" in out
-    assert "val: DataFrame → each rank's share, 9 rows in 2 shares" in out
-    assert sorted(r["rows"] for r in results) == [500, 501]
-    for epoch in range(2):
-        assert sorted(i for r in results for i in r["epochs"][epoch]) == list(range(1001))
-    assert results[0]["epochs"][0] != results[0]["epochs"][1]
-    assert len(sum((r["val"] for r in results), [])) == 8  # 4 and 5 rows: one batch each
-    assert no_spark_job_active()
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -87,6 +72,13 @@ def test_bad_input_is_refused_before_any_rank_starts(spark, change, error, messa
     assert ddl_magic.last_run() is before, "a rank was started"
 
 
+def test_an_elastic_run_on_spark_is_refused_a_dataframe_saying_what_to_do(spark):
+    classic_only(spark, "the refusal is the launcher's, whatever the session")
+    with pytest.raises(ValueError, match="an elastic run on Spark cannot be given a Spark "
+                                         "DataFrame: .* Write the DataFrame to Parquet"):
+        HorovodRunner(np=2, min_np=1).run(read_twice, train=numbered(spark, 20, 2), val=None)
+
+
 def steps_over_gloo(train):
     import torch.distributed as dist
 
@@ -102,17 +94,28 @@ def test_torch_distributor_on_spark_gives_its_function_the_share(spark):
     assert distributor.run(steps_over_gloo, train=numbered(spark, 40, 3)) == 4
 
 
-def test_a_dataframe_a_cell_reads_becomes_its_share(spark, capfd):
-    classic_only(spark, "the Connect session runs TorchDistributor here")
+def test_a_cell_reads_a_dataframe_and_is_given_another_each_row_once_per_epoch(spark, capfd):
+    """One stage writes both: `train`, which the cell reads (its share, by itself), and `val`
+    given with --data; every row once per epoch across the ranks, in a new order each."""
+    classic_only(spark, "the Connect session runs the same stage through TorchDistributor")
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
     shell.extension_manager.load_extension("ddl_magic")
-    shell.user_ns["df"] = numbered(spark, 100, 2)
-    cell = shell.run_cell("%%horovod -np 2\nimport ddl_magic.torch as hvd\nhvd.init()\n"
-                          "hvd.allreduce(__import__('torch').tensor(df.num_rows), op=hvd.Sum).item()")
-    assert cell.error_in_exec is None and cell.result == 100
-    assert "df: DataFrame → each rank's share, 100 rows in 2 shares" in capfd.readouterr().out
+    shell.user_ns.update(train=numbered(spark, 1001, 3), read_twice=read_twice,
+                         held_out=numbered(spark, 30, 4).where("id < 9"))
+    cell = shell.run_cell("%%horovod -np 2 --data val=held_out\nread_twice(train, val)")
+    assert cell.error_in_exec is None, cell.error_in_exec
+    out = capfd.readouterr().out
+    assert "train: DataFrame → each rank's share, 1,001 rows in 2 shares" in out
+    assert "val: DataFrame → each rank's share, 9 rows in 2 shares" in out
+    results = cell.result
+    assert sorted(r["rows"] for r in results) == [500, 501]
+    for epoch in range(2):
+        assert sorted(i for r in results for i in r["epochs"][epoch]) == list(range(1001))
+    assert results[0]["epochs"][0] != results[0]["epochs"][1]
+    assert len(sum((r["val"] for r in results), [])) == 8  # 4 and 5 rows: one batch each
+    assert no_spark_job_active()
 
 
 def test_a_spark_pool_keeps_the_shares_its_tasks_wrote_at_its_start(spark):

@@ -8,6 +8,8 @@
 
 Anything else (strings, maps, structs, lists of lists, dates, decimals) is refused with its
 type and what to do, before any rank starts where the front-end can tell (`check_columns`).
+Values too: nulls, and arrays of uneven width, cannot become a tensor (`describe_bad_values`,
+where the rows are at hand; the loader's agreement refuses them otherwise).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow
+import pyarrow.compute
 
 # Unsigned integers torch has no tensor type for are widened to int64.
 _WIDENED = {pyarrow.uint16(): np.int64, pyarrow.uint32(): np.int64, pyarrow.uint64(): np.int64}
@@ -71,6 +74,39 @@ def check_columns(schema: pyarrow.Schema, columns: Sequence[str] | None = None) 
         if problem is not None:
             raise UnsupportedColumnError(problem)
     return names
+
+
+def describe_bad_values(table: pyarrow.Table) -> str | None:
+    """What in `table`'s values cannot become a tensor (nulls, null elements of arrays,
+    arrays of uneven width), with the counts and what to do; None if nothing. Reads Arrow's
+    null counts and list lengths, never copies the values.
+
+    >>> print(describe_bad_values(pyarrow.table({"x": [1.0, None], "v": [[1, 2], [3]]})))
+    columns with nulls (or null elements): 'x' (1 null). Drop or fill them first (df.dropna(subset=['x']) or df.fillna(...)), or leave them out (columns=[...])
+    """
+    nulls, uneven = {}, {}
+    for name in table.column_names:
+        column = table.column(name)
+        count = column.null_count
+        if is_list(column.type):
+            count += sum(chunk.flatten().null_count for chunk in column.chunks)
+            lengths = pyarrow.compute.min_max(pyarrow.compute.list_value_length(column))
+            low, high = lengths["min"].as_py(), lengths["max"].as_py()
+            if low is not None and low != high:
+                uneven[name] = (low, high)
+        if count:
+            nulls[name] = count
+    if nulls:
+        listed = ", ".join(f"{name!r} ({count:,} null{'s' if count > 1 else ''})"
+                           for name, count in nulls.items())
+        return (f"columns with nulls (or null elements): {listed}. Drop or fill them first "
+                f"(df.dropna(subset={list(nulls)}) or df.fillna(...)), or leave them out "
+                "(columns=[...])")
+    if uneven:
+        name, (low, high) = next(iter(uneven.items()))
+        return (f"column {name!r} holds arrays of {low} to {high} values: every row must have "
+                "the same length to make a 2-D tensor (pad or trim them first)")
+    return None
 
 
 def _spark_name(arrow_type: pyarrow.DataType) -> str:

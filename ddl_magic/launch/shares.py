@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import pyarrow
 import pyarrow.dataset
 
-from ..data.columns import UnsupportedColumnError, check_columns
+from ..data.columns import UnsupportedColumnError, check_columns, describe_bad_values
 from ..data.share import Share, shares_line
 from ..data.share_file import ShareWriter
 from ..data.sources import ArrowFileShares, Data, DatasetShares
@@ -121,8 +121,11 @@ def _add(data: RunData, name: str, share: Share, line: str) -> None:
 def _pandas_shares(name: str, given: Data, np: int, data: RunData) -> tuple[Share, str]:
     """Write the DataFrame once, as Arrow, to a file with no name; every rank maps it."""
     table = pyarrow.Table.from_pandas(given.source, preserve_index=False)
-    columns = _checked(table.schema, given.columns, "the DataFrame")
+    columns = _checked(table.schema, given.columns, name)
     table = table.select(columns)
+    problem = describe_bad_values(table)  # the rows are here: refuse them before any rank starts
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
     if os.path.isdir(f"/proc/{os.getpid()}/fd"):
         writer = ShareWriter(table.schema, expected_rows=table.num_rows,
                              what="the pandas DataFrame's rows")
@@ -153,7 +156,7 @@ def _path_shares(name: str, given: Data, np: int) -> tuple[Share, str]:
             reader = pyarrow.ipc.open_file(source)
             schema = reader.schema
             rows = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
-        columns = _checked(schema, given.columns, path)
+        columns = _checked(schema, given.columns, f"{name} ({path})")
         if columns != schema.names:
             raise ValueError(f"{name}: an Arrow file is mapped as it is: columns= cannot leave "
                              "columns out of it; pick them in the loader (columns=[...])")
@@ -167,7 +170,7 @@ def _path_shares(name: str, given: Data, np: int) -> tuple[Share, str]:
     fragments = [group for fragment in dataset.get_fragments()
                  for group in fragment.split_by_row_group()]
     rows = tuple(group.row_groups[0].num_rows for group in fragments)
-    columns = _checked(dataset.schema, given.columns, path)
+    columns = _checked(dataset.schema, given.columns, f"{name} ({path})")
     files = len({fragment.path for fragment in fragments})
     source = DatasetShares(tuple(fragments), rows, np, dataset.schema.serialize().to_pybytes(),
                            tuple(columns))
