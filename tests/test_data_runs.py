@@ -14,9 +14,10 @@ import pyarrow
 import pyarrow.parquet
 import pytest
 
-from ddl_magic import HorovodRunner, RankFailedError, TorchDistributor, distributed
+from ddl_magic import HorovodRunner, RankFailedError, TorchDistributor, distributed, last_run
 from ddl_magic.data import Data
 from ddl_magic.frontends import ddlrun
+from ddl_magic.frontends.data_options import shares_for_run
 from kernel import Kernel
 
 
@@ -167,6 +168,7 @@ def count_rows(train):
 def test_torch_distributor_and_bad_columns_and_values_refused_before_launch():
     assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
         count_rows, train=_frame(45)) == 2
+    ran = last_run()
     frame = _frame(10).assign(city="x")
     with pytest.raises(TypeError, match="train: column 'city' is string"):
         HorovodRunner(np=-2).run(count_rows, train=frame)
@@ -175,7 +177,9 @@ def test_torch_distributor_and_bad_columns_and_values_refused_before_launch():
     uneven = _frame(10).assign(v=[np.ones(3 if i else 2, np.float32) for i in range(10)])
     with pytest.raises(ValueError, match="column 'v' holds arrays of 2 to 3 values"):
         HorovodRunner(np=-2).run(count_rows, train=Data(uneven, columns=["id", "v"]))
-    HorovodRunner(np=-2).run(count_rows, train=Data(frame, columns=["id"]))
+    assert last_run() is ran, "a rank was started"
+    with shares_for_run({"train": Data(frame, columns=["id"])}, 2, on_spark=False) as left_out:
+        assert left_out.shares["train"].columns == ["id"]  # what columns= leaves out is not read
 
 
 def hold_then_die(train):
