@@ -8,7 +8,7 @@ from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions
 
 import ddl_magic
-from ddl_magic import HorovodRunner, TorchDistributor
+from ddl_magic import HorovodRunner
 from ddl_magic.driver.capture import capture_cell
 from ddl_magic.launch.spark_shares import partition_keys, spark_hash_long
 from spark_sessions import classic_only, connect_only, no_spark_job_active, sent_by_value
@@ -79,25 +79,10 @@ def test_an_elastic_run_on_spark_is_refused_a_dataframe_saying_what_to_do(spark)
         HorovodRunner(np=2, min_np=1).run(read_twice, train=numbered(spark, 20, 2), val=None)
 
 
-def steps_over_gloo(train):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    steps = len(train.loader(batch_size=5, columns=["id", "features"]))
-    dist.destroy_process_group()
-    return steps
-
-
-def test_torch_distributor_on_spark_gives_its_function_the_share(spark):
-    connect_only(spark, "the classic session runs the magic and the pool here")
-    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-    assert distributor.run(steps_over_gloo, train=numbered(spark, 40, 3)) == 4
-
-
 def test_a_cell_reads_a_dataframe_and_is_given_another_each_row_once_per_epoch(spark, capfd):
     """One stage writes both: `train`, which the cell reads (its share, by itself), and `val`
     given with --data; every row once per epoch across the ranks, in a new order each."""
-    classic_only(spark, "the Connect session runs the same stage through TorchDistributor")
+    classic_only(spark, "the Connect session runs the same stage as a pool's")
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
@@ -119,7 +104,7 @@ def test_a_cell_reads_a_dataframe_and_is_given_another_each_row_once_per_epoch(s
 
 
 def test_a_spark_pool_keeps_the_shares_its_tasks_wrote_at_its_start(spark):
-    classic_only(spark, "the Connect session runs TorchDistributor here")
+    connect_only(spark, "the classic session runs the magic's stage")
     read = ("sorted(sum(hvd.allgather_object([int(i) for b in train.loader(batch_size=8, "
             "columns=['id']) for i in b['id']]), []))")
     with ddl_magic.start(np=2, spark=True, data={"train": numbered(spark, 50, 3)},
