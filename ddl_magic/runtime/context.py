@@ -55,7 +55,8 @@ class Runtime:
 
     world: World  # numbered within this ring: a process set's rank 0 is its lowest run rank
     queue: OpQueue
-    transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical)
+    transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical),
+    # "gloo" (every buffer through torch.distributed), or one of the first four + "+nccl"
     # Unnamed operations are named by how many of their kind this process submitted over this
     # ring before: ranks that call them in the same order name them alike.
     unnamed_submitted: collections.Counter = field(default_factory=collections.Counter)
@@ -141,7 +142,8 @@ def close_subset(runtime: Runtime) -> None:
 def _runtime_over(world: World, connections: rendezvous.Connections,
                   settings: Settings) -> Runtime:
     # the plane is chosen once per ring (a process set's too)
-    plane = choose_plane(connections.ring, connections.host_group, connections.cross)
+    plane = choose_plane(connections.ring, connections.host_group, connections.cross,
+                         connections.device_group)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,

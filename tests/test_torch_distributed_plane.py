@@ -1,0 +1,202 @@
+"""The torch.distributed plane, with gloo standing in for NCCL on CPU tensors.
+
+One launch of 3 ranks runs every Horovod op (and a process set's, and the `ddl` backend's)
+twice: with `DDL_MAGIC_TORCH_PLANE=gloo`, every buffer through a gloo group (the code path
+CUDA tensors take through NCCL), then, after an elastic-style reset (`shutdown`, `init`), on
+the shared-memory plane. The results must agree: bit for bit for integers, within rounding
+for floats (the two sum in different orders). The choice of backend, the waits' deadline and
+abort are pure logic and small fakes, tested without processes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ddl_magic.runtime.errors import CollectiveAbortedError, CollectiveTimeoutError
+from ddl_magic.runtime.planes.torch_distributed import (Abilities, DeviceGroup, TorchDistributedPlane,
+                                                        choose_backend, wants_group)
+from ddl_magic.runtime.settings import torch_plane_choice
+from ddl_magic.runtime.world import single_process_world
+from ranks import run_on_ranks
+
+NP = 3
+SET = [0, 2]
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8)
+
+
+def own(rank: int, dtype: torch.dtype, rows: int = 4) -> torch.Tensor:
+    """A rank's tensor: small values, exact in every dtype when summed or multiplied over 3."""
+    return ((torch.arange(rows * 3).reshape(rows, 3) * 7 + rank * 5) % 4 + 1).to(dtype)
+
+
+def every_op(hvd) -> tuple[dict, str | None]:
+    """Every op a user calls, on this rank: name -> result (tensors); the process set's plane."""
+    rank, results, set_transport = hvd.rank(), {}, None
+    for dtype in DTYPES:
+        tag = str(dtype).removeprefix("torch.")
+        for op_name, op in (("sum", hvd.Sum), ("min", hvd.Min), ("max", hvd.Max),
+                            ("product", hvd.Product)):
+            results[f"allreduce {op_name} {tag}"] = hvd.allreduce(own(rank, dtype), op=op)
+        if dtype.is_floating_point:
+            results[f"allreduce average {tag}"] = hvd.allreduce(own(rank, dtype))
+            results[f"allreduce prescale {tag}"] = hvd.allreduce(
+                own(rank, dtype), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
+        results[f"grouped {tag}"] = torch.cat([t.flatten() for t in hvd.grouped_allreduce(
+            [own(rank, dtype, rows) for rows in (1, 2, 5)], op=hvd.Sum)])
+        results[f"allgather {tag}"] = hvd.allgather(own(rank, dtype, rows=rank + 1))
+        results[f"broadcast {tag}"] = hvd.broadcast(own(rank, dtype), root_rank=2)
+        received, counts = hvd.alltoall(own(rank, dtype, rows=6),
+                                        splits=torch.tensor([1, 2, 3], dtype=torch.int32))
+        results[f"alltoall {tag}"], results[f"alltoall counts {tag}"] = received, counts
+        results[f"reducescatter {tag}"] = hvd.reducescatter(own(rank, dtype, rows=7), op=hvd.Sum)
+    in_place = own(rank, torch.float32)
+    hvd.allreduce_(in_place, op=hvd.Sum)
+    results["allreduce_ in place"] = in_place
+    process_set = hvd.add_process_set(SET)
+    try:
+        if rank in SET:
+            set_transport = process_set.runtime("test").transport
+            for dtype in (torch.float32, torch.int64):
+                tag = str(dtype).removeprefix("torch.")
+                results[f"set allreduce {tag}"] = hvd.allreduce(own(rank, dtype), op=hvd.Sum,
+                                                               process_set=process_set)
+                results[f"set allgather {tag}"] = hvd.allgather(own(rank, dtype, rows=rank + 1),
+                                                               process_set=process_set)
+                results[f"set broadcast {tag}"] = hvd.broadcast(own(rank, dtype), root_rank=2,
+                                                               process_set=process_set)
+                results[f"set reducescatter {tag}"] = hvd.reducescatter(
+                    own(rank, dtype, rows=5), op=hvd.Sum, process_set=process_set)
+    finally:
+        hvd.remove_process_set(process_set)
+    return results, set_transport
+
+
+def through_the_ddl_backend(rank: int) -> dict:
+    """DDP's calls through `init_process_group("ddl")`, over whichever plane the ring has."""
+    import torch.distributed as dist
+
+    dist.init_process_group("ddl")
+    try:
+        summed = own(rank, torch.float32)
+        dist.all_reduce(summed)
+        gathered = [torch.empty(4, 3) for _ in range(NP)]
+        dist.all_gather(gathered, own(rank, torch.float32))
+        return {"ddl all_reduce": summed, "ddl all_gather": torch.cat(gathered)}
+    finally:
+        dist.destroy_process_group()
+
+
+def on_both_planes() -> dict:
+    import os
+
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+
+    runs = {}
+    for plane in ("gloo", "auto"):
+        os.environ["DDL_MAGIC_TORCH_PLANE"] = plane
+        hvd.init()
+        transport = context.current("test").transport
+        results, set_transport = every_op(hvd)
+        results.update(through_the_ddl_backend(hvd.rank()))
+        runs[plane] = ((transport, set_transport), results)
+        hvd.shutdown()  # as an elastic reset does: the next init() forms the ring anew
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_on_ranks(on_both_planes, NP, timeout_s=180)
+
+
+def test_the_gloo_run_went_through_gloo_and_the_other_through_shared_memory_process_sets_too(runs):
+    assert [rank_runs["gloo"][0] for rank_runs in runs] == [("gloo", "gloo"), ("gloo", None),
+                                                            ("gloo", "gloo")]
+    assert [rank_runs["auto"][0] for rank_runs in runs] == [("shm", "shm"), ("shm", None),
+                                                            ("shm", "shm")]
+
+
+def test_every_op_agrees_with_the_shared_memory_plane(runs):
+    mismatches = []
+    for rank, rank_runs in enumerate(runs):
+        gloo, shm = rank_runs["gloo"][1], rank_runs["auto"][1]
+        assert gloo.keys() == shm.keys()
+        for name, expected in shm.items():
+            got = gloo[name]
+            if got.dtype != expected.dtype or got.shape != expected.shape:
+                mismatches.append(f"rank {rank} {name}: {got.dtype} {tuple(got.shape)} vs "
+                                  f"{expected.dtype} {tuple(expected.shape)}")
+            elif expected.dtype.is_floating_point:
+                if not torch.allclose(got.double(), expected.double(), rtol=1e-2, atol=1e-2):
+                    mismatches.append(f"rank {rank} {name}: {got.tolist()} vs {expected.tolist()}")
+            elif not torch.equal(got, expected):  # integers: bit for bit
+                mismatches.append(f"rank {rank} {name}: {got.tolist()} vs {expected.tolist()}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_the_results_are_right_not_only_alike(runs):
+    gloo = [rank_runs["gloo"][1] for rank_runs in runs]
+    expected = sum(own(rank, torch.int64) for rank in range(NP))
+    assert all(torch.equal(results["allreduce sum int64"], expected) for results in gloo)
+    assert "set allreduce int64" in gloo[0] and "set allreduce int64" not in gloo[1]
+    assert torch.equal(gloo[2]["set allreduce int64"], own(0, torch.int64) + own(2, torch.int64))
+
+
+# ---- pure logic and small fakes ---------------------------------------------------------
+
+GPU, NO_GPU = Abilities(True, None), Abilities(False, "no GPU is visible")
+
+
+def test_auto_uses_nccl_only_where_cuda_ipc_cannot_carry_the_buffers():
+    assert choose_backend("auto", True, True, [GPU, GPU]) == ("nccl", None)
+    assert choose_backend("auto", False, False, [GPU, GPU]) == ("nccl", None)  # no shared memory
+    assert choose_backend("auto", False, True, [GPU, GPU]) == (None, None)  # one host: CUDA IPC
+    assert not wants_group("auto", spans_hosts=False, has_host_group=True, size=2)
+    assert not wants_group("auto", spans_hosts=True, has_host_group=False, size=1)
+    assert wants_group("nccl", spans_hosts=False, has_host_group=True, size=1)
+
+
+def test_missing_nccl_falls_back_with_one_line_or_is_refused_when_forced():
+    backend, note = choose_backend("auto", True, False, [GPU, NO_GPU])
+    assert backend is None and "rank 1: no GPU is visible" in note and "\n" not in note
+    assert choose_backend("auto", True, False, [NO_GPU, NO_GPU]) == (None, None)  # CPU only: silent
+    with pytest.raises(RuntimeError, match="NCCL cannot run on rank 1.*DDL_MAGIC_TORCH_PLANE=auto"):
+        choose_backend("nccl", False, True, [GPU, NO_GPU])
+    assert choose_backend("gloo", False, True, [None, None]) == ("gloo", None)
+
+
+def test_a_bad_setting_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="auto, nccl, gloo, off"):
+        torch_plane_choice("mpi")
+
+
+class _StuckWork:
+    """A collective that never completes (a rank stalled inside it)."""
+
+    def get_future(self):
+        return torch.futures.Future()
+
+    def is_completed(self):
+        return False
+
+
+def _plane(timeout_s: float) -> TorchDistributedPlane:
+    world = single_process_world()
+    return TorchDistributedPlane(DeviceGroup("gloo", object(), object(), world), timeout_s)
+
+
+def test_a_stalled_collective_times_out_naming_the_ranks():
+    with pytest.raises(CollectiveTimeoutError, match=r"allreduce over gloo did not complete within "
+                                                     r"0 s on ranks \[0\]"):
+        _plane(0.2)._wait(_StuckWork(), "allreduce")
+
+
+def test_abort_ends_a_wait_at_once():
+    plane = _plane(60)
+    threading.Timer(0.1, plane.abort, args=("the cell was stopped",)).start()
+    with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
+        plane._wait(_StuckWork(), "broadcast")
