@@ -10,6 +10,7 @@ abort are pure logic and small fakes, tested without processes.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -23,69 +24,74 @@ from ddl_magic.runtime.world import single_process_world
 from ranks import run_on_ranks
 
 NP = 3
-SET = [0, 2]
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
           torch.uint8)
 
 
-def own(rank: int, dtype: torch.dtype, rows: int = 4) -> torch.Tensor:
+def own(rank: int, dtype: torch.dtype, rows: int = 4, device: str = "cpu") -> torch.Tensor:
     """A rank's tensor: small values, exact in every dtype when summed or multiplied over 3."""
-    return ((torch.arange(rows * 3).reshape(rows, 3) * 7 + rank * 5) % 4 + 1).to(dtype)
+    return ((torch.arange(rows * 3).reshape(rows, 3) * 7 + rank * 5) % 4 + 1).to(device, dtype)
 
 
-def every_op(hvd) -> tuple[dict, str | None]:
-    """Every op a user calls, on this rank: name -> result (tensors); the process set's plane."""
+def every_op(hvd, device: str = "cpu") -> tuple[dict, str | None]:
+    """Every op a user calls, on this rank, on tensors on `device`: name -> result (on the
+    CPU); the plane of a process set of the first and last ranks (None where not a member)."""
     rank, results, set_transport = hvd.rank(), {}, None
+    members = [0, hvd.size() - 1]
+    tensor = functools.partial(own, device=device)
+
     for dtype in DTYPES:
         tag = str(dtype).removeprefix("torch.")
         for op_name, op in (("sum", hvd.Sum), ("min", hvd.Min), ("max", hvd.Max),
                             ("product", hvd.Product)):
-            results[f"allreduce {op_name} {tag}"] = hvd.allreduce(own(rank, dtype), op=op)
+            results[f"allreduce {op_name} {tag}"] = hvd.allreduce(tensor(rank, dtype), op=op)
         if dtype.is_floating_point:
-            results[f"allreduce average {tag}"] = hvd.allreduce(own(rank, dtype))
+            results[f"allreduce average {tag}"] = hvd.allreduce(tensor(rank, dtype))
             results[f"allreduce prescale {tag}"] = hvd.allreduce(
-                own(rank, dtype), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
+                tensor(rank, dtype), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
         results[f"grouped {tag}"] = torch.cat([t.flatten() for t in hvd.grouped_allreduce(
-            [own(rank, dtype, rows) for rows in (1, 2, 5)], op=hvd.Sum)])
-        results[f"allgather {tag}"] = hvd.allgather(own(rank, dtype, rows=rank + 1))
-        results[f"broadcast {tag}"] = hvd.broadcast(own(rank, dtype), root_rank=2)
-        received, counts = hvd.alltoall(own(rank, dtype, rows=6),
-                                        splits=torch.tensor([1, 2, 3], dtype=torch.int32))
+            [tensor(rank, dtype, rows) for rows in (1, 2, 5)], op=hvd.Sum)])
+        results[f"allgather {tag}"] = hvd.allgather(tensor(rank, dtype, rows=rank + 1))
+        results[f"broadcast {tag}"] = hvd.broadcast(tensor(rank, dtype), root_rank=hvd.size() - 1)
+        splits = torch.tensor([1, 2, 3][:hvd.size()], dtype=torch.int32)
+        received, counts = hvd.alltoall(tensor(rank, dtype, rows=int(splits.sum())), splits=splits)
         results[f"alltoall {tag}"], results[f"alltoall counts {tag}"] = received, counts
-        results[f"reducescatter {tag}"] = hvd.reducescatter(own(rank, dtype, rows=7), op=hvd.Sum)
-    in_place = own(rank, torch.float32)
+        results[f"reducescatter {tag}"] = hvd.reducescatter(tensor(rank, dtype, rows=7), op=hvd.Sum)
+    in_place = tensor(rank, torch.float32)
     hvd.allreduce_(in_place, op=hvd.Sum)
     results["allreduce_ in place"] = in_place
-    process_set = hvd.add_process_set(SET)
+    if hvd.size() < 2:
+        return {name: t.cpu() for name, t in results.items()}, None
+    process_set = hvd.add_process_set(members)
     try:
-        if rank in SET:
+        if rank in members:
             set_transport = process_set.runtime("test").transport
             for dtype in (torch.float32, torch.int64):
                 tag = str(dtype).removeprefix("torch.")
-                results[f"set allreduce {tag}"] = hvd.allreduce(own(rank, dtype), op=hvd.Sum,
+                results[f"set allreduce {tag}"] = hvd.allreduce(tensor(rank, dtype), op=hvd.Sum,
                                                                process_set=process_set)
-                results[f"set allgather {tag}"] = hvd.allgather(own(rank, dtype, rows=rank + 1),
+                results[f"set allgather {tag}"] = hvd.allgather(tensor(rank, dtype, rows=rank + 1),
                                                                process_set=process_set)
-                results[f"set broadcast {tag}"] = hvd.broadcast(own(rank, dtype), root_rank=2,
+                results[f"set broadcast {tag}"] = hvd.broadcast(tensor(rank, dtype), root_rank=members[-1],
                                                                process_set=process_set)
                 results[f"set reducescatter {tag}"] = hvd.reducescatter(
-                    own(rank, dtype, rows=5), op=hvd.Sum, process_set=process_set)
+                    tensor(rank, dtype, rows=5), op=hvd.Sum, process_set=process_set)
     finally:
         hvd.remove_process_set(process_set)
-    return results, set_transport
+    return {name: t.cpu() for name, t in results.items()}, set_transport
 
 
-def through_the_ddl_backend(rank: int) -> dict:
+def through_the_ddl_backend(rank: int, size: int, device: str = "cpu") -> dict:
     """DDP's calls through `init_process_group("ddl")`, over whichever plane the ring has."""
     import torch.distributed as dist
 
     dist.init_process_group("ddl")
     try:
-        summed = own(rank, torch.float32)
+        summed = own(rank, torch.float32, device=device)
         dist.all_reduce(summed)
-        gathered = [torch.empty(4, 3) for _ in range(NP)]
-        dist.all_gather(gathered, own(rank, torch.float32))
-        return {"ddl all_reduce": summed, "ddl all_gather": torch.cat(gathered)}
+        gathered = [torch.empty(4, 3, device=device) for _ in range(size)]
+        dist.all_gather(gathered, own(rank, torch.float32, device=device))
+        return {"ddl all_reduce": summed.cpu(), "ddl all_gather": torch.cat(gathered).cpu()}
     finally:
         dist.destroy_process_group()
 
@@ -102,7 +108,7 @@ def on_both_planes() -> dict:
         hvd.init()
         transport = context.current("test").transport
         results, set_transport = every_op(hvd)
-        results.update(through_the_ddl_backend(hvd.rank()))
+        results.update(through_the_ddl_backend(hvd.rank(), hvd.size()))
         runs[plane] = ((transport, set_transport), results)
         hvd.shutdown()  # as an elastic reset does: the next init() forms the ring anew
     return runs
@@ -144,6 +150,7 @@ def test_the_results_are_right_not_only_alike(runs):
     assert all(torch.equal(results["allreduce sum int64"], expected) for results in gloo)
     assert "set allreduce int64" in gloo[0] and "set allreduce int64" not in gloo[1]
     assert torch.equal(gloo[2]["set allreduce int64"], own(0, torch.int64) + own(2, torch.int64))
+    assert torch.equal(gloo[1]["reducescatter int32"], sum(own(r, torch.int32, rows=7) for r in range(NP))[3:5])
 
 
 # ---- pure logic and small fakes ---------------------------------------------------------
