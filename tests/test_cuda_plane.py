@@ -54,3 +54,16 @@ def test_every_op_on_cuda_tensors_through_nccl_at_np_2():
     for report in run_on_ranks(cuda_against_cpu, 2, env={"DDL_MAGIC_TORCH_PLANE": "nccl"},
                                timeout_s=300):
         assert report == {"transport": "shm+nccl", "mismatches": []}
+
+
+def test_a_cuda_tensor_captured_in_the_notebook_lands_on_each_ranks_own_gpu(monkeypatch):
+    import cloudpickle
+
+    from ddl_magic.driver.capture import capture_cell
+
+    captured = capture_cell("y = x * 2", {"x": torch.ones(3, device="cuda:0", requires_grad=True)})
+    assert captured.on_gpu == ["x"]
+    local_rank = torch.cuda.device_count() - 1  # the last GPU, so a wrong device shows
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    x = cloudpickle.loads(captured.payload).namespace["x"]  # as that rank unpickles it
+    assert x.device == torch.device("cuda", local_rank) and x.requires_grad
