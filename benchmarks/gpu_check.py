@@ -124,9 +124,12 @@ def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) 
     """The report (Markdown) and the JSON; whether everything passed."""
     passed = bool(steps) and all(step.passed for step in steps)
     if not machine["gpus"]:
+        build = ("" if machine.get("cuda_build") else " This torch is a CPU build: a GPU machine "
+                 "needs torch's CUDA build of the same version.")
         verdict = ("no GPU: torch sees no CUDA device here "
                    f"(torch {machine.get('torch')}, CUDA build {machine.get('cuda_build')}); "
-                   "nothing was run. CI checks the same code paths on CPU with gloo standing in for NCCL.")
+                   "nothing was run. CI checks the same code paths on CPU with gloo standing in "
+                   f"for NCCL.{build}")
     else:
         verdict = (f"{'PASSED' if passed else 'FAILED'} on {', '.join(machine['names'])} in "
                    f"{wall_s:.0f} s (budget {BUDGET_S} s: {'within' if wall_s <= BUDGET_S else 'OVER'})")
