@@ -158,22 +158,34 @@ def test_the_results_are_right_not_only_alike(runs):
 GPU, NO_GPU = Abilities(True, None), Abilities(False, "no GPU is visible")
 
 
-def test_auto_uses_nccl_only_where_cuda_ipc_cannot_carry_the_buffers():
-    assert choose_backend("auto", True, True, [GPU, GPU]) == ("nccl", None)
-    assert choose_backend("auto", False, False, [GPU, GPU]) == ("nccl", None)  # no shared memory
-    assert choose_backend("auto", False, True, [GPU, GPU]) == (None, None)  # one host: CUDA IPC
-    assert not wants_group("auto", spans_hosts=False, has_host_group=True, size=2)
-    assert not wants_group("auto", spans_hosts=True, has_host_group=False, size=1)
-    assert wants_group("nccl", spans_hosts=False, has_host_group=True, size=1)
+def test_auto_uses_nccl_only_where_the_ring_leaves_the_host():
+    assert choose_backend("auto", True, [GPU, GPU]) == ("nccl", None)
+    assert choose_backend("auto", False, [GPU, GPU]) == (None, None)  # one host: CUDA IPC
+    assert wants_group("auto", spans_hosts=True, size=2)
+    assert not wants_group("auto", spans_hosts=False, size=2)  # no round of agreement asked
+    assert not wants_group("auto", spans_hosts=True, size=1)
+    assert wants_group("nccl", spans_hosts=False, size=1)
+    assert not wants_group("off", spans_hosts=True, size=2)
 
 
 def test_missing_nccl_falls_back_with_one_line_or_is_refused_when_forced():
-    backend, note = choose_backend("auto", True, False, [GPU, NO_GPU])
+    backend, note = choose_backend("auto", True, [GPU, NO_GPU])
     assert backend is None and "rank 1: no GPU is visible" in note and "\n" not in note
-    assert choose_backend("auto", True, False, [NO_GPU, NO_GPU]) == (None, None)  # CPU only: silent
+    assert choose_backend("auto", True, [NO_GPU, NO_GPU]) == (None, None)  # CPU only: silent
     with pytest.raises(RuntimeError, match="NCCL cannot run on rank 1.*DDL_MAGIC_TORCH_PLANE=auto"):
-        choose_backend("nccl", False, True, [GPU, NO_GPU])
-    assert choose_backend("gloo", False, True, [None, None]) == ("gloo", None)
+        choose_backend("nccl", False, [GPU, NO_GPU])
+    assert choose_backend("gloo", False, [None, None]) == ("gloo", None)
+
+
+def test_this_machine_offers_what_it_has(monkeypatch):
+    here = Abilities.of_this_process(ranks_on_host=2)
+    assert here.has_gpu == torch.cuda.is_available() and (here.nccl_problem is None) == (
+        torch.distributed.is_nccl_available() and torch.cuda.device_count() >= 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    shared = Abilities.of_this_process(ranks_on_host=2)
+    assert shared.nccl_problem == "its host has 1 GPU(s) for 2 ranks, and NCCL needs a GPU per rank"
 
 
 def test_a_bad_setting_is_refused_with_the_choices():

@@ -88,8 +88,7 @@ def connect(world: World, listener: socket.socket, secret: bytes, settings: Sett
         if (len(world.hosts) == 1 or hierarchical) and settings.torch_plane != "gloo":
             host_group = connect_host_group(world, transport.coordination, settings.transport,
                                             settings.timeout_s)
-        device_group = connect_device_group(world, transport.coordination, secret, settings,
-                                            host_group is not None)
+        device_group = connect_device_group(world, transport.coordination, secret, settings)
     except BaseException:
         transport.close()
         if cross is not None:
@@ -266,21 +265,19 @@ def connect_host_group(world: World, coordination: dict, choice: str,
 
 # ---- torch.distributed: NCCL for CUDA buffers (gloo standing in on CPU) -----------------
 
-def connect_device_group(world: World, coordination: dict, secret: bytes, settings: Settings,
-                         has_host_group: bool) -> torch_distributed.DeviceGroup | None:
+def connect_device_group(world: World, coordination: dict, secret: bytes,
+                         settings: Settings) -> torch_distributed.DeviceGroup | None:
     """This ring's torch.distributed group, where one is wanted and every rank can run it;
     None otherwise. Every rank decides alike: from the setting and the peer table whether to
     ask, then from every rank's abilities (`torch_distributed.choose_backend`)."""
     spans_hosts = len(world.hosts) > 1
-    if not torch_distributed.wants_group(settings.torch_plane, spans_hosts, has_host_group,
-                                         world.size):
+    if not torch_distributed.wants_group(settings.torch_plane, spans_hosts, world.size):
         return None
     exchange = over_coordination(world, coordination, settings.timeout_s,
                                  "forming the torch.distributed group")
-    abilities = gather(torch_distributed.Abilities.of_this_process()
+    abilities = gather(torch_distributed.Abilities.of_this_process(world.local_size)
                        if settings.torch_plane != "gloo" else None, exchange)
-    backend, note = torch_distributed.choose_backend(settings.torch_plane, spans_hosts,
-                                                     has_host_group, abilities)
+    backend, note = torch_distributed.choose_backend(settings.torch_plane, spans_hosts, abilities)
     if note is not None and world.rank == 0:
         print(note, file=sys.stderr, flush=True)
     if backend is None:

@@ -10,11 +10,11 @@ across hosts).
 Which group a ring gets is decided once, when the ring forms (`choose_backend`, from
 `DDL_MAGIC_TORCH_PLANE` and what every rank can do), and the same on every rank:
 
-    auto   CUDA buffers through NCCL where CUDA IPC cannot carry them (the ring leaves the
-           host, or its ranks share no memory) and every rank has a GPU and NCCL; within
-           one host CUDA IPC and our Triton kernels carry them (until a GPU measures NCCL
-           faster there). Where NCCL is wanted but missing on a rank, CUDA buffers are
-           staged through host memory and rank 0 says so in one line.
+    auto   CUDA buffers through NCCL where the ring leaves the host and every rank has NCCL
+           and a GPU of its own; within one host CUDA IPC and our Triton kernels carry them
+           (until a GPU measures NCCL faster there). Where NCCL is wanted but cannot run on
+           a rank, CUDA buffers are staged through host memory and rank 0 says why in one
+           line.
     nccl   CUDA buffers through NCCL on every ring, within a host too (refused where a rank
            has no GPU or no NCCL).
     gloo   every buffer through gloo: the stand-in that runs the NCCL path's code on CPU
@@ -90,39 +90,42 @@ class Abilities:
     nccl_problem: str | None  # None: NCCL can run here
 
     @classmethod
-    def of_this_process(cls) -> "Abilities":
-        """This rank's GPU and NCCL, found without creating a CUDA context."""
+    def of_this_process(cls, ranks_on_host: int) -> "Abilities":
+        """This rank's GPU and NCCL, its host running `ranks_on_host` ranks of the ring."""
         has_gpu = torch.cuda.is_available()
         problem = None
         if not dist.is_nccl_available():
             problem = "torch was built without NCCL (a CPU build?)"
         elif not has_gpu:
             problem = "no GPU is visible"
+        elif torch.cuda.device_count() < ranks_on_host:
+            problem = (f"its host has {torch.cuda.device_count()} GPU(s) for {ranks_on_host} ranks, "
+                       "and NCCL needs a GPU per rank")
         return cls(has_gpu, problem)
 
 
-def wants_group(setting: str, spans_hosts: bool, has_host_group: bool, size: int) -> bool:
+def wants_group(setting: str, spans_hosts: bool, size: int) -> bool:
     """Whether forming this ring must ask every rank what it can do (one round of agreement).
 
     Every rank answers alike: it depends on the setting and the peer table only.
 
-    >>> wants_group("auto", spans_hosts=False, has_host_group=True, size=4)
+    >>> wants_group("auto", spans_hosts=False, size=4)
     False
     """
     if setting in ("gloo", "nccl"):
         return True
-    return setting == "auto" and size > 1 and (spans_hosts or not has_host_group)
+    return setting == "auto" and size > 1 and spans_hosts
 
 
-def choose_backend(setting: str, spans_hosts: bool, has_host_group: bool,
-                   abilities: list[Abilities]) -> tuple[str | None, str | None]:
+def choose_backend(setting: str, spans_hosts: bool,
+                   abilities: list[Abilities | None]) -> tuple[str | None, str | None]:
     """(the backend of the ring's group or None, a one-line note for the user or None).
 
     `abilities` is every rank's, the same list on every rank, so every rank decides alike.
 
-    >>> choose_backend("auto", True, False, [Abilities(True, None), Abilities(True, None)])
+    >>> choose_backend("auto", True, [Abilities(True, None), Abilities(True, None)])
     ('nccl', None)
-    >>> choose_backend("auto", True, False, [Abilities(True, None), Abilities(False, "no GPU is visible")])[0] is None
+    >>> choose_backend("auto", True, [Abilities(True, None), Abilities(False, "no GPU is visible")])[0] is None
     True
     """
     if setting == "gloo":
@@ -135,7 +138,7 @@ def choose_backend(setting: str, spans_hosts: bool, has_host_group: bool,
                                f"{problem}. Set {TORCH_PLANE_VARIABLE}=auto to stage CUDA tensors "
                                "through host memory where NCCL is missing.")
         return "nccl", None
-    if setting != "auto" or not (spans_hosts or not has_host_group):
+    if setting != "auto" or not spans_hosts:
         return None, None
     if not problems:
         return "nccl", None
