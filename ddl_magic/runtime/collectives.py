@@ -52,7 +52,10 @@ class CollectiveRunner:
         self._rank, self._size = rank, size
         # The group whose negotiation rounds can carry data (every rank on this host), or None.
         self._lockstep = plane.lockstep_group
-        self._carried = plane.device_types  # buffers on these device types need no staging
+        # Buffers on the devices the plane carries need no staging (two flags: a small
+        # step asks for every tensor, and `tensor.device` costs an object each time).
+        self._carries_cpu = "cpu" in plane.device_types
+        self._carries_cuda = "cuda" in plane.device_types
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
@@ -139,8 +142,7 @@ class CollectiveRunner:
 
     def _allreduce(self, entries: list[Entry]) -> None:
         op, postscale = self._prepare_allreduce(entries)
-        if len(entries) == 1 and self._carries(entries[0].output) \
-                and entries[0].output.device == entries[0].tensor.device:
+        if len(entries) == 1 and self._carries(entries[0].output):
             self._allreduce_in_place(entries, op, postscale)
             return
         gpu = self._gpu_memory(entries)
@@ -166,7 +168,8 @@ class CollectiveRunner:
             kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
         # ... reduce: GPU buffers of one host through their peer-mapped memory, on the GPU;
         # otherwise from host memory (pinned, for fast copies from and to a GPU), ...
-        wire = fused if device.type in self._carried or peer_mapped else self._staged_on_host(fused)
+        carried = self._carries_cpu if device.type == "cpu" else self._carries_cuda
+        wire = fused if carried or peer_mapped else self._staged_on_host(fused)
         self.plane.allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
@@ -278,12 +281,14 @@ class CollectiveRunner:
 
     def _carries(self, tensor: torch.Tensor) -> bool:
         """Whether the plane moves `tensor` as it is: contiguous, on a device it carries."""
-        return tensor.device.type in self._carried and tensor.is_contiguous()
+        on_carried = self._carries_cpu if tensor.is_cpu else tensor.is_cuda and self._carries_cuda
+        return on_carried and tensor.is_contiguous()
 
     def _working_device(self, tensor: torch.Tensor) -> torch.device:
         """Where a working buffer for `tensor` lives: beside it where the plane carries its
         device, else in host memory (staged)."""
-        return tensor.device if tensor.device.type in self._carried else torch.device("cpu")
+        on_carried = self._carries_cpu if tensor.is_cpu else tensor.is_cuda and self._carries_cuda
+        return tensor.device if on_carried else torch.device("cpu")
 
     def _fusion_buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         buffer = self._fusion.get((dtype, device))
