@@ -219,3 +219,17 @@ def test_abort_ends_a_wait_at_once():
     threading.Timer(0.1, plane.abort, args=("the cell was stopped",)).start()
     with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
         plane._wait(_StuckWork(), "broadcast")
+
+
+def test_a_script_run_with_plain_python_honours_the_setting_too(monkeypatch):
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+
+    monkeypatch.setenv("DDL_MAGIC_TORCH_PLANE", "gloo")
+    hvd.init()
+    try:
+        assert context.current("test").transport == "gloo"
+        assert hvd.allreduce(torch.arange(3.0), op=hvd.Sum).tolist() == [0.0, 1.0, 2.0]
+        assert hvd.allgather(torch.ones(2, 1)).shape == (2, 1)
+    finally:
+        hvd.shutdown()

@@ -78,7 +78,10 @@ def init() -> Runtime:
         if bootstrap is None:
             world = single_process_world()
             alone = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
-            _runtime = _runtime_over(world, rendezvous.Connections(alone, None, None), settings)
+            # DDL_MAGIC_TORCH_PLANE=nccl or gloo holds for a world of one too (a group of one)
+            device_group = rendezvous.connect_device_group(world, {}, os.urandom(16), settings)
+            _runtime = _runtime_over(world, rendezvous.Connections(alone, None, None, device_group),
+                                     settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
             _runtime = _runtime_over(world, rendezvous.connect(world, bootstrap.listener,

@@ -170,7 +170,8 @@ def form_group(world: World, exchange: Exchange, secret: bytes, backend: str,
     """Build this rank's `backend` group over `world`'s ring: every rank of the ring calls it
     at the same point, `exchange` being the ring's agreement over its coordination links."""
     timeout = datetime.timedelta(seconds=timeout_s + TIMEOUT_MARGIN_S)
-    address = world.peers[world.rank].address[0]
+    # a world of one started without a launcher has no peer table: it talks to itself
+    address = world.peers[world.rank].address[0] if world.peers else "127.0.0.1"
     if world.size == 1:
         store = dist.HashStore()
     elif world.rank == 0:
