@@ -24,8 +24,9 @@ Which group a ring gets is decided once, when the ring forms (`choose_backend`, 
 Forming a group (`form_group`, while the ring forms, over its coordination links). Rank 0 of
 the ring opens a `TCPStore` on a listener bound to its own ring address and every rank
 learns its port through the ring's agreement. The keys live under a prefix derived from the
-run's secret, so a stranger who reaches the store cannot join or disturb the group (nothing
-read from the store is unpickled either way). Every rank builds the backend object itself
+run's secret, so a stranger who reaches the store can neither read nor set the group's keys.
+The connections gloo and NCCL then open between the ranks are theirs, unauthenticated as in
+any torch.distributed job; nothing read from them or from the store is unpickled. Every rank builds the backend object itself
 rather than calling `init_process_group`: the group belongs to this ring alone, and the
 user's default group (DDP's, the `ddl` backend's) is left as it is.
 
