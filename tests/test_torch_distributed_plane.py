@@ -57,6 +57,7 @@ def every_op(hvd, device: str = "cpu") -> tuple[dict, str | None]:
         received, counts = hvd.alltoall(tensor(rank, dtype, rows=int(splits.sum())), splits=splits)
         results[f"alltoall {tag}"], results[f"alltoall counts {tag}"] = received, counts
         results[f"reducescatter {tag}"] = hvd.reducescatter(tensor(rank, dtype, rows=7), op=hvd.Sum)
+        results[f"reducescatter even {tag}"] = hvd.reducescatter(tensor(rank, dtype, rows=6), op=hvd.Sum)
     in_place = tensor(rank, torch.float32)
     hvd.allreduce_(in_place, op=hvd.Sum)
     results["allreduce_ in place"] = in_place
@@ -76,6 +77,8 @@ def every_op(hvd, device: str = "cpu") -> tuple[dict, str | None]:
                                                                process_set=process_set)
                 results[f"set reducescatter {tag}"] = hvd.reducescatter(
                     tensor(rank, dtype, rows=5), op=hvd.Sum, process_set=process_set)
+                results[f"set reducescatter even {tag}"] = hvd.reducescatter(
+                    tensor(rank, dtype, rows=4), op=hvd.Sum, process_set=process_set)
     finally:
         hvd.remove_process_set(process_set)
     return {name: t.cpu() for name, t in results.items()}, set_transport

@@ -35,7 +35,9 @@ work completes, when `abort` is called from another thread (a pool's cell was st
 at the op timeout. Every rank had submitted the collective (the negotiation saw to that), so
 a timeout here means a rank stalled or died inside it: the group is aborted (NCCL: its
 communicator) and `CollectiveTimeoutError` names the ring's ranks. The group's own timeout
-is set later than ours, so ours is the one the user reads.
+is set later than ours, so ours is the one the user reads. (One wait of the stand-in cannot
+be sliced: gloo's flat reduce-scatter has neither a future nor a completion flag, so it
+blocks within gloo's own timeout.)
 
 Closing (an elastic reset re-forms the ring, `shutdown()`, a process set removed): an NCCL
 group is shut down; a gloo group is kept referenced until the process exits, never
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
 TIMEOUT_MARGIN_S = 30.0
 """The group's own timeout is this much later than ours, so ours fires first and names ranks."""
 POLL_S = 50e-6
-"""How often an NCCL collective's completion is checked (its work has no host callback)."""
+"""How often an NCCL collective is checked for completion (its work has no host callback)."""
 
 _DEVICE_TYPE = {"nccl": "cuda", "gloo": "cpu"}
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
@@ -235,9 +237,9 @@ class TorchDistributedPlane:
         options.reduceOp = _TORCH_OPS[op.kernel_name]
         start, end = parts[self._rank]
         with labels.span(self.name, op="reducescatter", size=self._size):
-            if not _equal_and_in_order(parts, buffer.numel()) or self.name == "gloo":
-                # Uneven parts (and gloo, which has no reduce-scatter of one flat buffer):
-                # reduce everything, keep this rank's part.
+            if not _equal_and_in_order(parts, buffer.numel()):
+                # Uneven parts (torch's flat reduce-scatter takes equal ones): reduce
+                # everything, keep this rank's part.
                 allreduce = dist.AllreduceOptions()
                 allreduce.reduceOp = options.reduceOp
                 self._wait(self._group.allreduce([buffer], allreduce), "reducescatter")
@@ -292,12 +294,15 @@ class TorchDistributedPlane:
     def _wait(self, work, what: str) -> None:
         """Wait for `work` until it completes, the plane is aborted, or the op timeout."""
         deadline = time.monotonic() + self._op_timeout
-        if self.name == "gloo":  # gloo completes futures from its own threads: be woken
-            future = work.get_future()
+        future = _future_of(work) if self.name == "gloo" else None
+        if future is not None:  # gloo completes futures from its own threads: be woken
             future.add_done_callback(lambda _: self._wake.set())
             done: Callable[[], bool] = future.done
-        else:  # NCCL: the end event is queried; the GPU work has no host callback
+        elif self.name == "nccl":  # its end event is queried: GPU work has no host callback
             done = work.is_completed
+        else:  # a gloo work with neither a future nor a completion flag (its flat
+            # reduce-scatter): `work.wait()` below blocks, bounded by the group's own timeout
+            done = _at_once
         while not done():
             if self._aborted is not None:
                 raise CollectiveAbortedError(f"{what} over {self.name} aborted: {self._aborted}")
@@ -309,7 +314,7 @@ class TorchDistributedPlane:
                     f"on ranks {list(self.device_group.world.run_ranks)}: every rank had submitted "
                     "it, so a rank stalled or died inside it; the group was aborted "
                     "(DDL_MAGIC_TIMEOUT sets the limit)")
-            if self.name == "gloo":
+            if future is not None:
                 self._wake.wait(min(remaining, 0.05))
                 self._wake.clear()
             else:
@@ -369,6 +374,18 @@ class SplitByDevicePlane:
     def close(self) -> None:
         self.device.close()
         self.host.close()
+
+
+def _at_once() -> bool:
+    return True
+
+
+def _future_of(work):
+    """`work`'s future, or None where its kind of work has none."""
+    try:
+        return work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented"
+        return None
 
 
 def _equal_and_in_order(parts: Bounds, numel: int) -> bool:
