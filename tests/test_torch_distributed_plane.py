@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import functools
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.launch.local import LocalLauncher
 from ddl_magic.runtime.errors import CollectiveAbortedError, CollectiveTimeoutError
 from ddl_magic.runtime.planes.torch_distributed import (Abilities, DeviceGroup, TorchDistributedPlane,
                                                         choose_backend, wants_group)
 from ddl_magic.runtime.settings import torch_plane_choice
 from ddl_magic.runtime.world import single_process_world
-from ranks import run_on_ranks
+from ddl_magic.timeline.analysis import lane_category
+from ddl_magic.wire.tasks import FunctionTask
+from trace_files import chrome_events
 
 NP = 3
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
@@ -118,8 +123,16 @@ def on_both_planes() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_on_ranks(on_both_planes, NP, timeout_s=180)
+def recorded(tmp_path_factory) -> tuple[list, Path]:
+    """Every rank's runs, and the run's timeline (recorded throughout)."""
+    timeline = tmp_path_factory.mktemp("timeline") / "run.timeline.json"
+    options = JobOptions(timeout_s=180, return_all=True, hide_output=True, timeline_path=str(timeline))
+    return Job(FunctionTask(on_both_planes, {}), NP, LocalLauncher(), options).run().results, timeline
+
+
+@pytest.fixture(scope="module")
+def runs(recorded):
+    return recorded[0]
 
 
 def test_the_gloo_run_went_through_gloo_and_the_other_through_shared_memory_process_sets_too(runs):
@@ -154,6 +167,13 @@ def test_the_results_are_right_not_only_alike(runs):
     assert "set allreduce int64" in gloo[0] and "set allreduce int64" not in gloo[1]
     assert torch.equal(gloo[2]["set allreduce int64"], own(0, torch.int64) + own(2, torch.int64))
     assert torch.equal(gloo[1]["reducescatter int32"], sum(own(r, torch.int32, rows=7) for r in range(NP))[3:5])
+
+
+def test_the_timeline_shows_each_collective_through_gloo_as_communication(recorded):
+    lanes = {lane for _, lane, *_ in chrome_events(recorded[1])}
+    through_gloo = {"GLOO_ALLREDUCE", "GLOO_REDUCESCATTER", "GLOO_ALLGATHER", "GLOO_BROADCAST"}
+    assert through_gloo <= lanes and {"negotiate", "pack", "shared_memory"} <= lanes, lanes
+    assert {lane_category(lane) for lane in through_gloo} == {"communicate"}
 
 
 # ---- pure logic and small fakes ---------------------------------------------------------

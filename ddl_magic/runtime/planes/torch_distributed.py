@@ -39,6 +39,10 @@ is set later than ours, so ours is the one the user reads. (One wait of the stan
 be sliced: gloo's flat reduce-scatter has neither a future nor a completion flag, so it
 blocks within gloo's own timeout.)
 
+The timeline. Each collective through the group is one event on a lane named as Horovod's
+timeline names them (`NCCL_ALLREDUCE`, `GLOO_BROADCAST`, ...), which the summaries count as
+communication; packing, unpacking and the negotiation keep their own lanes.
+
 Closing (an elastic reset re-forms the ring, `shutdown()`, a process set removed): an NCCL
 group is shut down; a gloo group is kept referenced until the process exits, never
 destroyed, for the reason `ddl_magic/torch/group_lifetime.py` gives (gloo's destructor can
@@ -222,13 +226,16 @@ class TorchDistributedPlane:
         self._rank, self._size = device_group.world.rank, device_group.world.size
         self._op_timeout = op_timeout
         self._transport = transport  # the ring's, where this plane is the ring's only plane
+        # Horovod's lane names (NCCL_ALLREDUCE, ...): the summaries count them as communication
+        self._lanes = {op: f"{self.name.upper()}_{op.upper()}"
+                       for op in ("allreduce", "reducescatter", "allgather", "broadcast")}
         self._aborted: str | None = None
         self._wake = threading.Event()  # set by `abort`: ends a wait between its slices
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
         options = dist.AllreduceOptions()
         options.reduceOp = _TORCH_OPS[op.kernel_name]
-        with labels.span(self.name, op="allreduce", size=self._size):
+        with labels.span(self._lanes["allreduce"], size=self._size):
             self._wait(self._group.allreduce([buffer], options), "allreduce")
 
     def reduce_scatter(self, buffer: torch.Tensor, parts: Bounds, op: ReduceOp,
@@ -236,7 +243,7 @@ class TorchDistributedPlane:
         options = dist.ReduceScatterOptions()
         options.reduceOp = _TORCH_OPS[op.kernel_name]
         start, end = parts[self._rank]
-        with labels.span(self.name, op="reducescatter", size=self._size):
+        with labels.span(self._lanes["reducescatter"], size=self._size):
             if not _equal_and_in_order(parts, buffer.numel()):
                 # Uneven parts (torch's flat reduce-scatter takes equal ones): reduce
                 # everything, keep this rank's part.
@@ -251,7 +258,7 @@ class TorchDistributedPlane:
     def allgather(self, buffer: torch.Tensor, parts: Bounds, name: str) -> None:
         longest = max(end - start for start, end in parts)
         start, end = parts[self._rank]
-        with recorder.span(self.name, name, op="allgather", bytes=_nbytes(buffer), size=self._size):
+        with recorder.span(self._lanes["allgather"], name, bytes=_nbytes(buffer), size=self._size):
             if _equal_and_in_order(parts, buffer.numel()):
                 self._wait(self._group._allgather_base(buffer, buffer[start:end].clone()), "allgather")
                 return
@@ -266,7 +273,7 @@ class TorchDistributedPlane:
     def broadcast(self, buffer: torch.Tensor, root: int, name: str) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
-        with recorder.span(self.name, name, op="broadcast", bytes=_nbytes(buffer)):
+        with recorder.span(self._lanes["broadcast"], name, bytes=_nbytes(buffer)):
             self._wait(self._group.broadcast([buffer], options), "broadcast")
 
     def gpu_memory(self, device: torch.device) -> None:
