@@ -3,6 +3,8 @@
 import os
 import shutil
 import sys
+from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,26 @@ pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a te
 # two test sessions at once on one machine (another checkout's, a busy CI host) never meet
 # on one port. Kernels and subprocesses the tests start inherit it.
 os.environ.setdefault("SPARK_TESTING", "1")
+
+
+# ---- two test processes at once (pytest-xdist, `-n 2` in pyproject.toml) ---------------------
+
+_MULTI_HOST_MODULES = "test_*_multi_host.py"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called where it runs the tests
+def pytest_xdist_make_scheduler(config, log):
+    """Hand out whole modules, so each module's SparkSession, kernel or cluster is built once,
+    and the multi-host modules as one: they share a two-host cluster, and two clusters at once
+    would double the heaviest load of the suite for no gain in coverage."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WholeModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return _MULTI_HOST_MODULES if fnmatch(Path(module).name, _MULTI_HOST_MODULES) else module
+
+    return WholeModules(config, log)
 
 
 SPARK_KINDS = ["classic", "connect"]
@@ -64,10 +86,11 @@ _MAY_OUTLIVE_A_TEST = ("pyspark.daemon", "pyspark.worker", "org.apache.spark",
                        "multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A two-host Spark standalone cluster for the module's tests (`two_host_cluster.py`),
-    removed with everything it created when they end; skips where it cannot be built."""
+@pytest.fixture(scope="session")
+def _one_two_host_cluster():
+    """One two-host Spark standalone cluster (`two_host_cluster.py`) for every module that
+    asks for it (building one costs half a minute), removed with everything it created when
+    the session ends; skips where it cannot be built."""
     try:
         cluster = TwoHostCluster().start()
     except Unavailable as why:
@@ -76,6 +99,14 @@ def cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(_one_two_host_cluster):
+    """The two-host cluster, healed of what an earlier module's faults left (a cut link, a
+    killed worker) before this module's tests use it."""
+    _one_two_host_cluster.heal()
+    return _one_two_host_cluster
 
 
 @pytest.fixture(autouse=True)

@@ -120,9 +120,8 @@ class TwoHostCluster:
             start_new_session=True)
 
     def _wait_for_workers(self, count: int) -> None:
-        log = self.directory / "master.log"
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(re.findall(r"Registering worker", log.read_text())) < count:
+        while self._registered_workers() < count:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{count} workers did not register within "
                                    f"{START_TIMEOUT_S:.0f} s: see {self.directory}")
@@ -131,6 +130,10 @@ class TwoHostCluster:
                     raise RuntimeError(f"the worker of {host.name} exited: "
                                        f"{(self.directory / f'worker-{host.name}.log').read_text()[-2000:]}")
             time.sleep(0.2)
+
+    def _registered_workers(self) -> int:
+        """Workers the master has registered since it started, restarted ones counted again."""
+        return len(re.findall(r"Registering worker", (self.directory / "master.log").read_text()))
 
     def _environment(self, address: str) -> dict:
         environment = dict(os.environ, SPARK_LOCAL_IP=address, PYSPARK_PYTHON=sys.executable,
@@ -183,6 +186,19 @@ class TwoHostCluster:
 
     def restore_link(self, host: Host) -> None:
         _run("ip", "link", "set", host.link, "up")
+
+    def heal(self) -> None:
+        """Undo what a test module's faults left: links up again, a killed worker started
+        again and registered, so the next module finds both hosts as `start` left them."""
+        registered = self._registered_workers()
+        restarted = 0
+        for host in self.hosts:
+            self.restore_link(host)
+            if host.worker is None or host.worker.poll() is not None:
+                self.start_worker(host)
+                restarted += 1
+        if restarted:
+            self._wait_for_workers(registered + restarted)
 
     # ---- taking it down ---------------------------------------------------------------------
 
