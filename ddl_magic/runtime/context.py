@@ -128,7 +128,8 @@ def close_subset(runtime: Runtime) -> None:
 def _runtime_over(world: World, connections: rendezvous.Connections,
                   settings: Settings) -> Runtime:
     # the plane is chosen once per ring (a process set's too)
-    plane = choose_plane(connections.ring, connections.host_group, connections.cross)
+    plane = choose_plane(connections.ring, connections.host_group, connections.cross,
+                         settings.allreduce_algorithm)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if isinstance(plane, SharedMemoryPlane):  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, connections.host_group, settings.fusion_threshold,

@@ -24,6 +24,7 @@ import time
 import torch
 
 from .collectives import CollectiveRunner, Entry
+from .counters import NegotiationCounters
 from .errors import CollectiveMismatchError, HorovodInternalError
 from .negotiation import Cycle, Request, RequestCache, Response
 from .timeline import recorder
@@ -89,6 +90,8 @@ class OpQueue:
         # Set while a pool runs a cell on some ranks only: every collective is refused, with
         # this error, since the other ranks would never join it (`rank/cells.py`).
         self.refusal: BaseException | None = None
+        # What negotiating has cost this rank (`counters.py`), where it takes messages: over TCP.
+        self.counters: NegotiationCounters | None = None
         self._thread = threading.Thread(target=self._run, name="ddl-op-queue", daemon=True)
 
     # ---- the user's side --------------------------------------------------------------

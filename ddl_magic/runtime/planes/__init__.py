@@ -10,7 +10,10 @@
                         allgather within the host: 1/local_size of the bytes cross between
                         hosts); its other collectives use the whole ring
     RingPlane           the TCP ring (`ring_plane.py`): the algorithm of `ring.py` over the
-                        sockets of `tcp.py`, ordered host by host
+                        sockets of `tcp.py`, ordered host by host, and recursive doubling
+                        (`recursive_doubling.py`) over the ring's hypercube links
+                        (`hypercube.py`) for allreduces below the switch point of
+                        `cost_model.py`
 
 A plane is given one flat buffer per collective: fusion, scaling, staging of GPU tensors and
 the timeline's labels are `CollectiveRunner`'s, so a new plane touches none of them. The
@@ -78,11 +81,12 @@ class DataPlane(Protocol):
 
 
 def choose_plane(transport: RingTransport, host_group: HostGroup | None,
-                 cross: RingTransport | None) -> DataPlane:
+                 cross: RingTransport | None, algorithm: str = "auto") -> DataPlane:
     """The plane for what `init()` could connect: a host group holding every rank, a host
-    group and a ring across hosts, or the ring alone."""
+    group and a ring across hosts, or the ring alone. `algorithm`: how TCP rings allreduce
+    (`DDL_MAGIC_ALLREDUCE_ALGORITHM`, `cost_model.py`)."""
     if host_group is not None and host_group.size == transport.world.size:
         return SharedMemoryPlane(host_group, transport)
     if host_group is not None and cross is not None:
-        return HierarchicalPlane(host_group, cross, transport)
-    return RingPlane(transport)
+        return HierarchicalPlane(host_group, cross, transport, algorithm)
+    return RingPlane(transport, algorithm)
