@@ -48,7 +48,7 @@ import torch
 from .hypercube import Exchange, HypercubeLinks, Receive, Schedule, Send
 
 Reduce = Callable[[torch.Tensor, torch.Tensor], None]  # reduce(dst, src): dst op= src
-_NOTHING = memoryview(b"")  # where the fold in's empty message lands
+_NOTHING = memoryview(bytearray())  # where the fold in's empty message lands
 
 
 class Reducible(Protocol):
@@ -90,7 +90,10 @@ def recursive_doubling(position: int, size: int, value: Reducible) -> Schedule:
 
 
 def rounds(size: int) -> int:
-    """Rounds on the critical path of `recursive_doubling` over `size` positions.
+    """Steps of `recursive_doubling` over `size` positions, each moving the whole buffer:
+    log2 P, and two more (fold in, fold out) when `size` is not a power of two. The rounds
+    on the critical path are at most this (a core position with nothing folded into it
+    starts its first round while the others fold in).
 
     >>> [rounds(n) for n in (1, 2, 3, 4, 6, 8, 1024)]
     [0, 1, 3, 2, 4, 3, 10]
