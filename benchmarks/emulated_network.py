@@ -1,0 +1,428 @@
+"""Allreduce on an emulated network: real rank processes on emulated hosts (network
+namespaces on one bridge, `tc netem` delay and rate on each host's link), ring against
+recursive doubling, and the α-β-γ model (`runtime/planes/cost_model.py`) fitted to what was
+measured and checked against it.
+
+    sudo python benchmarks/emulated_network.py                 # ~3 min on 2 cores
+    sudo python benchmarks/emulated_network.py --delay-ms 0.2 --rate-mbit 1000 --reps 5
+
+Needs root (namespaces, veth pairs, tc: iproute2). Every host is a network namespace with
+its own address on a bridge; its link's egress gets ``netem delay D rate R``, so a message
+between hosts waits D plus its bytes at R, as on a switched network, while ranks on one host
+talk over that namespace's loopback. Hosts are named after their namespace, so the ranks'
+rendezvous sees them as distinct hosts. The ranks run ddl_magic's runtime directly over a
+fixed peer table (no driver), with ``DDL_MAGIC_TRANSPORT=tcp`` (the flat TCP ring) and
+``DDL_MAGIC_ALLREDUCE_ALGORITHM`` set to each algorithm in turn.
+
+Configurations: 1 host x 2 ranks (the local link), 2 hosts x 1, 4 hosts x 1, 4 hosts x 2.
+Each measures a 4 KiB and a 64 MiB float32 allreduce (the slowest rank's time of each
+repetition, median over repetitions), a cached negotiation cycle (the per-cycle time of the
+rank's own counters, `hvd.negotiation_counters()`) and a barrier (an uncached cycle).
+
+The model: each step of an algorithm costs α + (bytes on the busiest host link) β + (bytes
+reduced) γ, with the local link's α and β where a step stays within hosts. γ is measured
+here (a torch add); the local link's α and β are fitted on 1 x 2, the network's on 2 x 1 and
+4 x 1, and 4 x 2 is predicted from them: where two ranks of a host send across at once
+they share its link, and recursive doubling's first round stays within the host.
+
+Everything created is deleted on every exit path. The machine's load average is printed and
+saved: other processes on 2 cores make every number noisier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = [(1, 2), (2, 1), (4, 1), (4, 2)]  # (hosts, ranks per host)
+ALGORITHMS = ("ring", "recursive_doubling")
+SIZES = {"4KiB": 4096, "64MiB": 64 << 20}
+PORT = 29611
+
+
+# ---- on each rank ----------------------------------------------------------------------------
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: form the ring from the peer table, time the allreduces, print JSON."""
+    import socket
+
+    import torch
+
+    from ddl_magic.runtime import context
+    from ddl_magic.runtime.world import Peer
+
+    torch.set_num_threads(1)
+    peers = [Peer(rank, host, (address, PORT + rank)) for rank, (host, address) in
+             enumerate(json.loads(args.peers))]
+    me = peers[args.rank]
+    listener = socket.create_server(me.address)
+    os.environ.update(DDL_MAGIC_TRANSPORT="tcp", DDL_MAGIC_ALLREDUCE_ALGORITHM=args.algorithm)
+    context.bootstrap = context.RankBootstrap(args.rank, peers, bytes.fromhex(os.environ["DDL_EMU_SECRET"]),
+                                              listener)
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    result: dict = {"rank": args.rank}
+    for label, nbytes in SIZES.items():
+        tensor = torch.ones(nbytes // 4)
+        reps = args.reps if nbytes < 1 << 20 else args.large_reps
+        for _ in range(2):
+            hvd.allreduce_(tensor, op=hvd.Sum, name=f"warm.{label}")
+        times = []
+        for _ in range(reps):
+            hvd.barrier()
+            started = time.perf_counter()
+            hvd.allreduce_(tensor, op=hvd.Sum, name=f"timed.{label}")
+            times.append(time.perf_counter() - started)
+        result[label] = times
+    before = hvd.negotiation_counters()["cached"]
+    tick = torch.ones(1)
+    for _ in range(args.reps):
+        hvd.allreduce_(tick, op=hvd.Sum, name="tick")
+    after = hvd.negotiation_counters()
+    cycles = after["cached"]["cycles"] - before["cycles"]
+    seconds = (after["cached"]["seconds_per_cycle"] * after["cached"]["cycles"]
+               - before["seconds_per_cycle"] * before["cycles"])
+    result["cached_cycle_s"] = seconds / max(cycles, 1)
+    result["cached_rounds"] = after["cached"]["rounds_per_cycle"]
+    barriers = []
+    for _ in range(args.reps):
+        started = time.perf_counter()
+        hvd.barrier()
+        barriers.append(time.perf_counter() - started)
+    result["barrier"] = barriers
+    hvd.shutdown()
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # as a launched rank ends: no interpreter teardown racing torch's threads
+
+
+# ---- the emulated hosts ------------------------------------------------------------------------
+
+TUNSETIFF, IFF_TAP, IFF_NO_PI = 0x400454CA, 0x0002, 0x1000
+TAP_MTU = 65000  # large frames: the switch then handles ~2000 of them per second at 1 Gbit/s
+
+
+def _run(*command: str) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+def switch_main(args: argparse.Namespace) -> None:
+    """The emulated network's switch: every host's TAP interface is a port; a frame that
+    comes in on one goes out on its destination's port `delay` later (flooded where the
+    destination is not known yet, as a learning switch does). The rate is the kernel's,
+    each host's egress shaped by tbf before the frame reaches here."""
+    import heapq
+    import select
+
+    try:  # a switch that waits its turn behind the ranks would add their load to the delay
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except (PermissionError, AttributeError, OSError):
+        pass
+    ports = [int(fd) for fd in args.switch.split(",")]
+    parent = int(args.parent_fd)
+    for fd in ports:
+        os.set_blocking(fd, False)
+    delay = args.delay_ms / 1000
+    port_of: dict[bytes, int] = {}
+    pending: list = []
+    order = 0
+    while True:
+        now = time.monotonic()
+        timeout = max(0.0, pending[0][0] - now) if pending else 1.0
+        readable, _, _ = select.select([*ports, parent], [], [], timeout)
+        if parent in readable:
+            return  # the benchmark ended (or died): its end of the pipe closed
+        now = time.monotonic()
+        for fd in readable:
+            while True:
+                try:
+                    frame = os.read(fd, TAP_MTU + 64)
+                except BlockingIOError:
+                    break
+                source = ports.index(fd)
+                port_of[frame[6:12]] = source
+                known = port_of.get(frame[0:6])
+                outs = [known] if known is not None else [p for p in range(len(ports)) if p != source]
+                order += 1
+                heapq.heappush(pending, (now + delay, order, outs, frame))
+        now = time.monotonic()
+        while pending and pending[0][0] <= now:
+            _, _, outs, frame = heapq.heappop(pending)
+            for out in outs:
+                try:
+                    os.write(ports[out], frame)
+                except (BlockingIOError, OSError):
+                    pass  # a full queue drops the frame, as a switch does; TCP sends it again
+
+
+class EmulatedHosts:
+    """`count` network namespaces, each with a TAP interface whose frames go through a
+    userspace switch that delays them (this machine's kernel has no netem: see README's "How
+    it scales"), its egress rate shaped by the kernel's tbf."""
+
+    def __init__(self, count: int, delay_ms: float, rate_mbit: float):
+        tag = os.getpid() % 10000
+        self.hosts = [f"emu{tag}h{index}" for index in range(count)]
+        self.subnet = f"10.{200 + tag % 50}.{tag % 250}"
+        self.delay_ms, self.rate_mbit = delay_ms, rate_mbit
+        self._namespaces: list[str] = []
+        self._taps: list[int] = []
+        self._switch: subprocess.Popen | None = None
+        self._parent_end: int | None = None
+
+    def address(self, index: int) -> str:
+        return f"{self.subnet}.{index + 2}"
+
+    def __enter__(self) -> "EmulatedHosts":
+        import fcntl
+        import struct
+
+        try:
+            for index, namespace in enumerate(self.hosts):
+                tap = f"{namespace}t"
+                _run("ip", "netns", "add", namespace)
+                self._namespaces.append(namespace)
+                _run("ip", "tuntap", "add", "dev", tap, "mode", "tap")
+                fd = os.open("/dev/net/tun", os.O_RDWR)
+                self._taps.append(fd)
+                fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", tap.encode(), IFF_TAP | IFF_NO_PI))
+                _run("ip", "link", "set", tap, "netns", namespace)  # the open fd stays attached
+                inside = ("ip", "netns", "exec", namespace)
+                _run(*inside, "ip", "link", "set", tap, "mtu", str(TAP_MTU))
+                _run(*inside, "ip", "addr", "add", f"{self.address(index)}/24", "dev", tap)
+                _run(*inside, "ip", "link", "set", tap, "up")
+                _run(*inside, "ip", "link", "set", "lo", "up")
+                _run(*inside, "tc", "qdisc", "add", "dev", tap, "root", "tbf", "rate",
+                     f"{self.rate_mbit:g}mbit", "burst", "256kb", "latency", "100ms")
+            switch_end, self._parent_end = os.pipe()
+            self._switch = subprocess.Popen(
+                [sys.executable, __file__, "--switch", ",".join(map(str, self._taps)),
+                 "--parent-fd", str(switch_end), "--delay-ms", str(self.delay_ms)],
+                pass_fds=(*self._taps, switch_end))
+            os.close(switch_end)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._parent_end is not None:
+            os.close(self._parent_end)  # the switch sees its pipe close and ends
+            self._parent_end = None
+        if self._switch is not None:
+            try:
+                self._switch.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._switch.kill()
+                self._switch.wait()
+            self._switch = None
+        for fd in self._taps:
+            os.close(fd)
+        self._taps.clear()
+        for namespace in self._namespaces:  # takes its TAP interface with it
+            subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+        self._namespaces.clear()
+
+
+def run_config(hosts: EmulatedHosts, host_count: int, per_host: int, algorithm: str,
+               reps: int, large_reps: int, timeout_s: float) -> list[dict]:
+    """Start the ranks of one configuration in their namespaces; every rank's result."""
+    placement = [(hosts.hosts[rank // per_host], hosts.address(rank // per_host))
+                 for rank in range(host_count * per_host)]
+    env = dict(os.environ, DDL_EMU_SECRET=secrets.token_hex(32), OMP_NUM_THREADS="1")
+    processes = [subprocess.Popen(
+        ["ip", "netns", "exec", namespace, sys.executable, __file__, "--rank", str(rank),
+         "--peers", json.dumps(placement), "--algorithm", algorithm, "--reps", str(reps),
+         "--large-reps", str(large_reps)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank, (namespace, _) in enumerate(placement)]
+    results = []
+    try:
+        for process in processes:
+            out, err = process.communicate(timeout=timeout_s)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if process.returncode != 0 or not lines:
+                raise RuntimeError(f"a rank failed ({process.returncode}): {err[-3000:]} OUT {out[-1500:]}")
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def slowest_median(results: list[dict], key: str) -> float:
+    """Median over repetitions of the slowest rank's time."""
+    return statistics.median(max(times) for times in zip(*(result[key] for result in results)))
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+def steps(algorithm: str, nbytes: int, host_count: int, per_host: int) -> list[tuple[bool, int, int]]:
+    """The algorithm's steps on this placement: (crosses hosts, bytes on the busiest host
+    link, bytes reduced), ranks placed host by host as the ring orders them."""
+    size = host_count * per_host
+    if size == 1:
+        return []
+    if algorithm == "ring":
+        chunk = nbytes / size
+        crosses = host_count > 1
+        # each step every rank sends one chunk to its right neighbour: one flow per host link
+        return [(crosses, int(chunk), int(chunk) if index < size - 1 else 0)
+                for index in range(2 * (size - 1))]
+    largest = 1 << (size.bit_length() - 1)
+    fold = size > largest
+    result = []
+    if fold:
+        result.append((True if host_count > 1 else False, nbytes, nbytes))
+    distance = 1
+    while distance < largest:
+        crosses = distance >= per_host
+        senders_per_link = per_host if crosses else 0  # every rank of a host sends across
+        result.append((crosses, nbytes * max(senders_per_link, 1), nbytes))
+        distance <<= 1
+    if fold:
+        result.append((host_count > 1, nbytes, 0))
+    return result
+
+
+def model_s(algorithm: str, nbytes: int, host_count: int, per_host: int, net: tuple,
+            local: tuple, gamma: float) -> float:
+    total = 0.0
+    for crosses, link_bytes, reduced in steps(algorithm, nbytes, host_count, per_host):
+        alpha, beta = net if crosses else local
+        total += alpha + link_bytes * beta + reduced * gamma
+    return total
+
+
+def fit(points: list[tuple[list, float]], gamma: float) -> tuple[float, float]:
+    """Least squares for (α, β) in t = Σ (α + link bytes β + reduced γ), relative errors
+    weighted alike (a 4 KiB point counts as much as a 64 MiB one)."""
+    import numpy
+
+    rows, targets = [], []
+    for step_list, measured in points:
+        count = len(step_list)
+        link_bytes = sum(step[1] for step in step_list)
+        reduced = sum(step[2] for step in step_list)
+        rows.append([count / measured, link_bytes / measured])
+        targets.append(1.0 - reduced * gamma / measured)
+    (alpha, beta), *_ = numpy.linalg.lstsq(numpy.array(rows), numpy.array(targets), rcond=None)
+    return float(alpha), float(beta)
+
+
+def measure_gamma() -> float:
+    """Seconds per byte of a float32 add (the reduction), on this machine."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.ones(16 << 20), torch.ones(16 << 20)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) / (64 << 20)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--delay-ms", type=float, default=0.2)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0)
+    parser.add_argument("--reps", type=int, default=20, help="repetitions of 4 KiB (default 20)")
+    parser.add_argument("--large-reps", type=int, default=3,
+                        help="repetitions of 64 MiB (default 3)")
+    parser.add_argument("--switch", help=argparse.SUPPRESS)
+    parser.add_argument("--parent-fd", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--peers", help=argparse.SUPPRESS)
+    parser.add_argument("--algorithm", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.switch is not None:
+        switch_main(args)
+        return
+    if args.rank is not None:
+        rank_main(args)
+        return
+    if os.geteuid() != 0:
+        sys.exit("the emulated network needs root (network namespaces, veth pairs, tc)")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from common import print_table, write_results
+
+    load_before = os.getloadavg()[0]
+    print(f"load average {load_before:.1f} on {os.cpu_count()} CPUs at the start")
+    gamma = measure_gamma()
+    measured: dict = {}
+    started = time.perf_counter()
+    with EmulatedHosts(max(h for h, _ in CONFIGS), args.delay_ms, args.rate_mbit) as hosts:
+        for host_count, per_host in CONFIGS:
+            for algorithm in ALGORITHMS:
+                results = run_config(hosts, host_count, per_host, algorithm, args.reps,
+                                     args.large_reps, timeout_s=600)
+                key = f"{host_count}x{per_host}"
+                measured.setdefault(key, {})[algorithm] = {
+                    **{label: slowest_median(results, label) for label in SIZES},
+                    "cached_cycle_s": statistics.median(r["cached_cycle_s"] for r in results),
+                    "cached_rounds": results[0]["cached_rounds"],
+                    "barrier_s": slowest_median(results, "barrier")}
+                print(f"{key} {algorithm}: " + ", ".join(
+                    f"{label} {value * 1e3:.2f} ms" for label, value in measured[key][algorithm].items()
+                    if label in SIZES), flush=True)
+    load_after = os.getloadavg()[0]
+
+    def points(configs):
+        return [(steps(algorithm, nbytes, h, p), measured[f"{h}x{p}"][algorithm][label])
+                for h, p in configs for algorithm in ALGORITHMS for label, nbytes in SIZES.items()]
+
+    local = fit(points([(1, 2)]), gamma)
+    net = fit(points([(2, 1), (4, 1)]), gamma)
+    rows, checks = [], []
+    for host_count, per_host in CONFIGS:
+        key = f"{host_count}x{per_host}"
+        for algorithm in ALGORITHMS:
+            for label, nbytes in SIZES.items():
+                actual = measured[key][algorithm][label]
+                predicted = model_s(algorithm, nbytes, host_count, per_host, net, local, gamma)
+                error = predicted / actual - 1
+                held_out = (host_count, per_host) == (4, 2)
+                checks.append({"config": key, "algorithm": algorithm, "size": label,
+                               "measured_s": actual, "model_s": predicted, "error": error,
+                               "predicted_not_fitted": held_out})
+                rows.append([key, algorithm, label, f"{actual * 1e3:.2f}", f"{predicted * 1e3:.2f}",
+                             f"{error * 100:+.0f} %" + (" (predicted)" if held_out else "")])
+    print_table(f"allreduce, ms (netem {args.delay_ms} ms, {args.rate_mbit:g} Mbit/s per host link)",
+                ["hosts x ranks", "algorithm", "size", "measured", "model", "model error"], rows)
+    ratio = measured["4x2"]["recursive_doubling"]["4KiB"] / measured["4x2"]["ring"]["4KiB"]
+    rows = [[key, f"{m['ring']['cached_cycle_s'] * 1e3:.2f}", f"{m['ring']['cached_rounds']:.1f}",
+             f"{m['ring']['barrier_s'] * 1e3:.2f}"] for key, m in measured.items()]
+    print_table("negotiation: a cached cycle (rank-local mean) and a barrier (an uncached cycle), ms",
+                ["hosts x ranks", "cached cycle", "rounds", "barrier"], rows)
+    print(f"\nfitted: network α {net[0] * 1e3:.3f} ms, β {net[1] * 1e9:.2f} ns/B; local α "
+          f"{local[0] * 1e3:.3f} ms, β {local[1] * 1e9:.2f} ns/B; γ {gamma * 1e9:.2f} ns/B (measured)")
+    print(f"4 KiB on 4 hosts x 2 ranks: recursive doubling / ring = {ratio:.2f}")
+    worst = max(abs(check["error"]) for check in checks)
+    print(f"largest model error: {worst * 100:.0f} % (target 25 %); load average "
+          f"{load_before:.1f} -> {load_after:.1f}; {time.perf_counter() - started:.0f} s")
+    path = write_results("emulated_network", {
+        "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit, "reps": args.reps,
+        "large_reps": args.large_reps, "load_average": [load_before, load_after],
+        "measured": measured, "fit": {"network": {"alpha_s": net[0], "beta_s_per_byte": net[1]},
+                                      "local": {"alpha_s": local[0], "beta_s_per_byte": local[1]},
+                                      "gamma_s_per_byte": gamma},
+        "checks": checks, "recursive_doubling_over_ring_4KiB_4x2": ratio,
+        "largest_model_error": worst})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
