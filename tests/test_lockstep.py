@@ -26,8 +26,8 @@ def negotiators(size: int, stall_time_s: float = 60.0, timeout_s: float = 300.0)
                                stall_time_s, timeout_s) for p in range(size)]
 
 
-def cycle(ranks, now: float, closing=()):
-    outcomes, counts = run_in_memory({p: n.cycle(now, p in closing) for p, n in enumerate(ranks)})
+def cycle(ranks, now: float):
+    outcomes, counts = run_in_memory({p: n.cycle(now) for p, n in enumerate(ranks)})
     answers = {repr(outcomes[p].cycle.responses) for p in outcomes}
     assert len(answers) == 1, "ranks disagree on the cycle's responses"
     return outcomes[0], counts
@@ -137,12 +137,6 @@ def test_a_long_wait_goes_to_rank_0_which_reports_the_stall_then_times_it_out():
     assert stalled.warnings and "ranks [2] have not submitted" in stalled.warnings[0]
     timed_out, _ = cycle(ranks, 120.0)
     assert "timed out after 20 s" in timed_out.timed_out and "ranks [2] never" in timed_out.timed_out
-
-
-def test_a_rank_that_shuts_down_is_named_in_the_last_cycle():
-    ranks = negotiators(5)
-    outcome, _ = cycle(ranks, 0.0, closing={3, 4})
-    assert outcome.closing_rank == 3
 
 
 def test_an_allgather_is_never_cached_and_always_asks_rank_0():

@@ -9,9 +9,8 @@ design, over this runtime's own links.
 The steady state. Every rank keeps the same `ResponseCache` (`response_cache.py`): the
 requests rank 0's `Coordinator` has answered, by cache id. A cycle, on every rank at once:
 
-1. Each rank sets a bit for every request it has pending that the cache knows, and flags:
-   COORDINATE if it has a request the cache cannot settle (below), CLOSING if it is
-   shutting down.
+1. Each rank sets a bit for every request it has pending that the cache knows, and the
+   flag COORDINATE if it has a request the cache cannot settle (below).
 2. Recursive doubling (`planes/recursive_doubling.py`) ANDs the bits and ORs the flags
    across all ranks: ⌈log2 N⌉ rounds (two more when N is not a power of two), one vector of
    ⌈cached/64⌉ words sent and received per round, whatever N is.
@@ -36,9 +35,9 @@ allreduces the same named tensors step after step takes step 4 on its first step
 When a rank begins a cycle: once `cycle_time` has passed since it submitted something new
 (at once if a thread waits for it or it was fused by its caller), when a request of its
 waits half the stall time, when rank 0's Coordinator has a deadline (a stall report, a
-timeout), when it shuts down, and whenever a partner's message arrives: that partner began
-the cycle, and every rank takes part in every cycle. Each link carries the messages of
-every cycle in the same order on both ends, so no cycle needs a number.
+timeout), and whenever a partner's message arrives: that partner began the cycle, and
+every rank takes part in every cycle. Each link carries the messages of every cycle in the
+same order on both ends, so no cycle needs a number.
 
 This module is pure: no threads, no sockets, the clock passed in. Its cycles are schedules
 (`planes/hypercube.py`) that `op_queue_tcp.py` runs over sockets and `benchmarks/scale.py`
@@ -56,7 +55,7 @@ from .negotiation import Coordinator, Cycle, Request, Response, fuse
 from .planes.binomial_tree import broadcast, gather
 from .planes.hypercube import Schedule
 from .planes.recursive_doubling import recursive_doubling
-from .response_cache import NOBODY, ControlVector, Flag, ResponseCache, VectorReducible
+from .response_cache import ControlVector, Flag, ResponseCache, VectorReducible
 
 _UNCACHEABLE = ("join", "allgather")  # a join's answer names who joined last; shapes vary
 
@@ -68,7 +67,6 @@ class CycleOutcome:
     cycle: Cycle  # what to run now, in order
     coordinated: bool  # took the uncached path, through rank 0
     timed_out: str | None = None  # a collective some ranks never submitted timed out: why
-    closing_rank: int | None = None  # the lowest rank (in the ring's world) shutting down
     warnings: list[str] = field(default_factory=list)  # stall reports (rank 0's)
 
 
@@ -136,10 +134,10 @@ class LockstepNegotiator:
 
     # ---- one cycle ----------------------------------------------------------------------------
 
-    def cycle(self, now: float, closing: bool = False) -> Schedule:
+    def cycle(self, now: float) -> Schedule:
         """This rank's side of one cycle, as a schedule returning the `CycleOutcome`."""
         self._new_since, self._urgent = None, False
-        agreed = VectorReducible(self._vector(now, closing), self.cache.words)
+        agreed = VectorReducible(self._vector(now), self.cache.words)
         yield from recursive_doubling(self.position, self.size, agreed)
         vector = agreed.vector
         cached = [self.cache.requests[cache_id] for cache_id in _bits(vector.hits)]
@@ -148,8 +146,7 @@ class LockstepNegotiator:
         outcome = CycleOutcome(
             Cycle(fuse([(Response(request.kind, (request.name,)), request) for request in cached],
                        self.fusion_threshold)),
-            coordinated=bool(vector.flags & Flag.COORDINATE),
-            closing_rank=None if vector.closing == NOBODY else self.members[vector.closing])
+            coordinated=bool(vector.flags & Flag.COORDINATE))
         if outcome.coordinated:
             decision = yield from self._coordinate(now, outcome)
             self.cache.update(decision.cycle.cache_updates)
@@ -161,7 +158,7 @@ class LockstepNegotiator:
                     self._pending.pop(name, None)
         return outcome
 
-    def _vector(self, now: float, closing: bool) -> ControlVector:
+    def _vector(self, now: float) -> ControlVector:
         hits, flags = 0, Flag(0)
         for pending in self._pending.values():
             if pending.announced:
@@ -174,9 +171,7 @@ class LockstepNegotiator:
                 hits |= 1 << cache_id
         if self.coordinator is not None and self.coordinator.has_outstanding:
             flags |= Flag.COORDINATE
-        if closing:
-            flags |= Flag.CLOSING
-        return ControlVector(hits, flags, self.position if closing else NOBODY)
+        return ControlVector(hits, flags)
 
     def _coordinate(self, now: float, outcome: CycleOutcome) -> Schedule:
         """Step 4: every rank's remaining requests up the tree, rank 0's decision down."""

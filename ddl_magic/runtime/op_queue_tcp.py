@@ -19,8 +19,9 @@ partner that never answers is named (`PeerLostError`). A collective that some ra
 and others never do goes to rank 0's Coordinator, which reports the stall and times it out
 after `DDL_MAGIC_TIMEOUT` on every rank at once. A rank whose cycle fails tells its partners
 why (`HypercubeLinks.flood_abort`), and they tell theirs, so every rank fails with the same
-reason. A rank that shuts down says so in a last cycle, after which every rank's queue
-refuses further work and names it.
+reason. A rank that shuts down tells its partners the same way, and leaves without waiting
+for anyone (a partner may be gone already): every rank's queue then refuses further work
+and names it.
 """
 
 from __future__ import annotations
@@ -122,42 +123,39 @@ class TcpOpQueue(OpQueue):
             self._links.flood_abort(str(exc))
             raise HorovodInternalError(str(exc)) from None
         except BaseException as exc:
-            if not self._aborted and self._links is not None:
+            if not self._aborted:
                 self._links.flood_abort(str(exc) if isinstance(exc, HorovodInternalError)
                                         else f"rank {self.world.run_ranks[self.world.rank]}: {exc!r}")
             raise
 
     def _cycles(self) -> None:
-        negotiator = self._negotiator
-        watched = [self._wake_receiver, *self._links.readable()]
-        closing = False
+        negotiator, links = self._negotiator, self._links
+        watched = [self._wake_receiver, *links.readable()]
         while True:
             at = negotiator.next_cycle_at()
-            timeout = 0.0 if closing else None if at is None else max(0.0, at - time.monotonic())
+            timeout = None if at is None else max(0.0, at - time.monotonic())
             readable, _, _ = select.select(watched, [], [], timeout)
-            if self._wake_receiver in readable:
-                closing |= self._take_incoming()[2]
+            if self._wake_receiver in readable and self._take_incoming()[2]:
+                if self.world.size > 1:  # the partners learn it, and tell theirs
+                    links.flood_abort(str(PeerLostError(
+                        self.world.run_ranks[self.world.rank],
+                        self.world.peers[self.world.rank].host, "it has shut down")))
+                return
             now = time.monotonic()
-            partner_began = len(readable) > (self._wake_receiver in readable)
+            partner_began = any(sock is not self._wake_receiver for sock in readable)
             at = negotiator.next_cycle_at()
-            if not (partner_began or closing or (at is not None and at <= now)):
+            if not (partner_began or (at is not None and at <= now)):
                 continue
-            outcome = self._cycle(now, closing)
+            outcome = self._cycle(now)
             for warning in outcome.warnings:
                 print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
             if outcome.timed_out is not None:
                 raise CollectiveTimeoutError(outcome.timed_out)
             self._execute(outcome.cycle)
-            if outcome.closing_rank is not None:  # the last cycle: every rank knows it
-                if not closing:
-                    rank = outcome.closing_rank
-                    self._fail(PeerLostError(self.world.run_ranks[rank],
-                                             self.world.peers[rank].host, "it has shut down"))
-                return
 
-    def _cycle(self, now: float, closing: bool) -> CycleOutcome:
+    def _cycle(self, now: float) -> CycleOutcome:
         started_ns = time.monotonic_ns()
-        outcome = self._links.run(self._negotiator.cycle(now, closing))
+        outcome = self._links.run(self._negotiator.cycle(now))
         ended_ns = time.monotonic_ns()
         count = self._links.count
         self.counters.record(count, outcome.coordinated, (ended_ns - started_ns) / 1e9)

@@ -9,10 +9,10 @@ pending here".
 
 One bitwise AND over all ranks of those bits (`ControlVector.combine`, run by recursive
 doubling) says which cached requests every rank has pending: those run, fused the same way
-on every rank, with no message to rank 0. The same combine ORs the flags, so one round trip
-also says whether any rank needs rank 0 this cycle (a request the cache cannot answer), and
-takes the lowest position that is shutting down. The vector is ⌈cached/64⌉ words and two
-fields, whatever the number of ranks.
+on every rank, with no message to rank 0. The same combine ORs the flags, so the same
+rounds also say whether any rank needs rank 0 this cycle (a request the cache cannot
+answer). The vector is ⌈cached/64⌉ words and one field of flags, whatever the number of
+ranks.
 """
 
 from __future__ import annotations
@@ -23,45 +23,41 @@ from dataclasses import dataclass
 
 from .negotiation import Request
 
-NOBODY = 2**31 - 1  # `ControlVector.closing` when no position is shutting down
-_FIELDS = struct.Struct("<Ii")  # flags, closing
+_FLAGS = struct.Struct("<I")
 
 
 class Flag(enum.IntFlag):
     """What any rank of the cycle says (ORed across ranks)."""
 
     COORDINATE = 1  # rank 0's Coordinator is needed: an uncached request, a long wait, a join
-    CLOSING = 2  # some rank is shutting down: this is the last cycle
 
 
 @dataclass(frozen=True)
 class ControlVector:
     """One rank's, then every rank's, say in a cycle.
 
-    >>> mine = ControlVector(hits=0b1011, flags=Flag(0), closing=NOBODY)
-    >>> theirs = ControlVector(hits=0b0110, flags=Flag.COORDINATE, closing=3)
+    >>> mine = ControlVector(hits=0b1011, flags=Flag(0))
+    >>> theirs = ControlVector(hits=0b0110, flags=Flag.COORDINATE)
     >>> agreed = mine.combine(theirs)
-    >>> bin(agreed.hits), agreed.flags, agreed.closing
-    ('0b10', <Flag.COORDINATE: 1>, 3)
+    >>> bin(agreed.hits), agreed.flags
+    ('0b10', <Flag.COORDINATE: 1>)
     >>> ControlVector.decode(agreed.encode(words=1)) == agreed
     True
     """
 
     hits: int  # bit i: cache id i is pending (on every rank, once combined)
     flags: Flag
-    closing: int  # the lowest position shutting down, or NOBODY
 
     def combine(self, other: "ControlVector") -> "ControlVector":
-        return ControlVector(self.hits & other.hits, self.flags | other.flags,
-                             min(self.closing, other.closing))
+        return ControlVector(self.hits & other.hits, self.flags | other.flags)
 
     def encode(self, words: int) -> bytes:
-        return _FIELDS.pack(self.flags, self.closing) + self.hits.to_bytes(8 * words, "little")
+        return _FLAGS.pack(self.flags) + self.hits.to_bytes(8 * words, "little")
 
     @classmethod
     def decode(cls, data: bytes) -> "ControlVector":
-        flags, closing = _FIELDS.unpack_from(data)
-        return cls(int.from_bytes(data[_FIELDS.size:], "little"), Flag(flags), closing)
+        (flags,) = _FLAGS.unpack_from(data)
+        return cls(int.from_bytes(data[_FLAGS.size:], "little"), Flag(flags))
 
 
 class VectorReducible:
