@@ -29,9 +29,11 @@ A name that some ranks submitted and others have not is reported as a stall afte
 (`DDL_MAGIC_TIMEOUT`) it has `expired`: the op queue then fails the collective on the ranks
 that wait for it, naming the ranks that never came (the stall report always comes first).
 
-The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone (`op_queue_tcp.py`); when
-every rank shares one host, every rank runs a replica of it, fed the same requests in the
-same order, and each takes its decisions itself (`op_queue_shm.py`).
+The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone, for what the ranks'
+response caches cannot settle by themselves (`lockstep.py`: in a training loop's steady state
+a bitwise allreduce of the cache decides, and rank 0 hears nothing more); when every rank
+shares one host, every rank runs a replica of it, fed the same requests in the same order,
+and each takes its decisions itself (`op_queue_shm.py`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ depends on where they are:
 
 - `op_queue_shm.SharedMemoryOpQueue`: every rank on one host. Each rank decides for itself,
   from every rank's requests exchanged through shared memory, on whichever thread needs it;
-- `op_queue_tcp.TcpOpQueue`: anywhere else. A background thread per rank forwards requests
-  to rank 0, which decides and sends every rank the same cycle of responses.
+- `op_queue_tcp.TcpOpQueue`: anywhere else. A background thread per rank runs lockstep
+  cycles with the others over TCP (`lockstep.py`): a bitwise allreduce of the response
+  cache decides the steady state, rank 0's Coordinator the rest.
 
 Either way `OpQueue._execute` runs each agreed response with the `CollectiveRunner` and
 completes the handles.
