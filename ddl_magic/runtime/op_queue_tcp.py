@@ -10,7 +10,7 @@ what the cycle agreed on (with the `CollectiveRunner`), so only it touches the n
 `_pending` and the links. The user's threads only queue entries and waits under `_lock`
 (the base class's) and wake it through a socketpair.
 
-The thread sleeps in `select` on the wake-up socket and on its hypercube links, so it costs
+The thread sleeps in `poll` on the wake-up socket and on its hypercube links, so it costs
 nothing while idle: a message on a link means a partner began a cycle, which this rank then
 joins; otherwise it begins one when its negotiator says so (`next_cycle_at`).
 
@@ -130,19 +130,23 @@ class TcpOpQueue(OpQueue):
 
     def _cycles(self) -> None:
         negotiator, links = self._negotiator, self._links
-        watched = [self._wake_receiver, *links.readable()]
+        # poll, not select: at a thousand ranks, descriptors pass select's limit of 1024
+        watched = select.poll()
+        for sock in (self._wake_receiver, *links.readable()):
+            watched.register(sock, select.POLLIN)
+        wake = self._wake_receiver.fileno()
         while True:
             at = negotiator.next_cycle_at()
-            timeout = None if at is None else max(0.0, at - time.monotonic())
-            readable, _, _ = select.select(watched, [], [], timeout)
-            if self._wake_receiver in readable and self._take_incoming()[2]:
+            timeout_ms = None if at is None else max(0.0, at - time.monotonic()) * 1000
+            readable = {fd for fd, _ in watched.poll(timeout_ms)}
+            if wake in readable and self._take_incoming()[2]:
                 if self.world.size > 1:  # the partners learn it, and tell theirs
                     links.flood_abort(str(PeerLostError(
                         self.world.run_ranks[self.world.rank],
                         self.world.peers[self.world.rank].host, "it has shut down")))
                 return
             now = time.monotonic()
-            partner_began = any(sock is not self._wake_receiver for sock in readable)
+            partner_began = bool(readable - {wake})
             at = negotiator.next_cycle_at()
             if not (partner_began or (at is not None and at <= now)):
                 continue
