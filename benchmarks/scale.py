@@ -129,7 +129,7 @@ def rendezvous_counts(size: int, ranks_per_host: int) -> dict:
 
 
 def model_times(size: int) -> dict:
-    link = cost_model.MEASURED
+    link = cost_model.NETWORK
     return {f"{name}_{label}_s": function(nbytes, size, link)
             for label, nbytes in (("4KiB", 4096), ("64MiB", 64 << 20))
             for name, function in (("ring", cost_model.ring_allreduce_s),
@@ -195,7 +195,7 @@ def main() -> None:
         results = simulate(args.simulate, args.tensors, args.ranks_per_host)
         print_simulation(results, args.tensors)
         payload["simulation"] = {"tensors": args.tensors, "ranks_per_host": args.ranks_per_host,
-                                 "alpha_beta_gamma": vars(cost_model.MEASURED),
+                                 "alpha_beta_gamma": vars(cost_model.NETWORK),
                                  "by_size": results}
     if args.driver:
         from scale_driver import measure_driver, print_driver

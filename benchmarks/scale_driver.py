@@ -67,16 +67,18 @@ def measure_driver(np: int) -> dict:
         for rank, task in enumerate(tasks):
             task.send(TaskStarted(rank, []))
         threads_serving = _threads()
-        reporting_until = time.monotonic() + REPORT_SECONDS
-        while time.monotonic() < reporting_until:  # every task reports once per interval
+        bursts = 0
+        reporting_since = time.monotonic()
+        while time.monotonic() < reporting_since + REPORT_SECONDS:  # every task, once per interval
             for rank, task in enumerate(tasks):
                 task.send(TaskAlive(rank, "running"))
-            time.sleep(interval)
+            bursts += 1
+            time.sleep(max(0.0, reporting_since + bursts * interval - time.monotonic()))
         deadline = time.monotonic() + 30
         reports = 0
-        expected = np * round(REPORT_SECONDS / interval + 0.5)
-        while time.monotonic() < deadline and server.counters.liveness_reports < expected:
+        while time.monotonic() < deadline and server.counters.liveness_reports < np * bursts:
             time.sleep(0.05)
+        handled_within_s = time.monotonic() - reporting_since
         while not events.empty():
             reports += isinstance(events.get_nowait(), RankProcessState)
         for channel in [*ranks, *tasks]:
@@ -89,6 +91,8 @@ def measure_driver(np: int) -> dict:
             "server_threads": threads_with_server - threads_before,
             "threads_while_serving_2n_connections": threads_serving - threads_before,
             "report_interval_s": interval, "liveness_events_relayed": reports,
+            "liveness_reports_per_s": server.counters.liveness_reports / max(
+                handled_within_s, bursts * interval),
             "counters": counters,
             "per_rank": {"rendezvous_messages": counters["rendezvous_messages"] / np,
                          "handshake_frames": counters["handshake_frames"] / (2 * np),
@@ -110,7 +114,7 @@ def print_driver(result: dict) -> None:
             ["Start message bytes (each rank)", result["start_message_bytes"]],
             ["all registered (s)", f"{result['registration_s']:.2f}"],
             ["all started (s)", f"{result['all_started_s']:.2f}"],
-            ["liveness reports per second", f"{counters['liveness_reports_per_s']:.0f}"],
+            ["liveness reports handled per second", f"{result['liveness_reports_per_s']:.0f}"],
             ["  (N / report interval)", f"{np / result['report_interval_s']:.0f}"]]
     print_table(f"the driver at N = {np} (real control server, emulated ranks over loopback)",
                 ["measure", "value"], rows)

@@ -33,7 +33,7 @@ class HierarchicalPlane(RingPlane):
         self.name = "shm+tcp"
         self.host_group = host_group
         self.cross = cross
-        self.cross_switch_bytes = allreduce_switch_bytes(algorithm, cross.size)
+        self.cross_switch_bytes = allreduce_switch_bytes(algorithm, cross.size, cross.size)
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
         reduce = kernels.reducer(op.kernel_name, buffer)

@@ -35,7 +35,8 @@ class RingPlane:
         self._scratch = _Scratch()
         self.algorithm = algorithm
         # Recursive doubling up to this many bytes (the ring's size is fixed: decided once).
-        self.switch_bytes = allreduce_switch_bytes(algorithm, transport.size)
+        self.switch_bytes = allreduce_switch_bytes(algorithm, transport.size,
+                                                   len(transport.world.hosts))
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
         allreduce_over(self.transport, buffer, kernels.reducer(op.kernel_name, buffer),
