@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,9 +44,9 @@ def _register(address, secret: bytes, rank: int) -> Channel:
     return channel
 
 
-def measure_driver(np: int) -> dict:
+def measure_driver(np: int, report_seconds: float = REPORT_SECONDS) -> dict:
     """Register `np` emulated ranks with a real control server, then let their tasks report
-    liveness for a few seconds; the server's counters, timings and threads."""
+    liveness for `report_seconds`; the server's counters, timings and threads."""
     events: queue.Queue = queue.Queue()
     secret = new_secret()
     threads_before = _threads()
@@ -67,9 +68,10 @@ def measure_driver(np: int) -> dict:
         for rank, task in enumerate(tasks):
             task.send(TaskStarted(rank, []))
         threads_serving = _threads()
+        server_threads = sum(t.name.startswith("ddl-control") for t in threading.enumerate())
         bursts = 0
         reporting_since = time.monotonic()
-        while time.monotonic() < reporting_since + REPORT_SECONDS:  # every task, once per interval
+        while time.monotonic() < reporting_since + report_seconds:  # every task, once per interval
             for rank, task in enumerate(tasks):
                 task.send(TaskAlive(rank, "running"))
             bursts += 1
@@ -88,8 +90,9 @@ def measure_driver(np: int) -> dict:
         server.close()
     return {"np": np, "registration_s": registered_s, "all_started_s": everyone_started_s,
             "start_message_bytes": start_bytes,
-            "server_threads": threads_with_server - threads_before,
-            "threads_while_serving_2n_connections": threads_serving - threads_before,
+            "server_threads": server_threads,
+            "threads_started_by_the_server": threads_with_server - threads_before,
+            "process_threads_added_while_serving_2n_connections": threads_serving - threads_before,
             "report_interval_s": interval, "liveness_events_relayed": reports,
             "liveness_reports_per_s": server.counters.liveness_reports / max(
                 handled_within_s, bursts * interval),
@@ -104,8 +107,8 @@ def print_driver(result: dict) -> None:
     np = result["np"]
     rows = [["ranks (N)", np],
             ["connections (ranks' and tasks')", counters["connections"]],
-            ["threads the server runs", result["server_threads"]],
-            ["threads with 2N connections open", result["threads_while_serving_2n_connections"]],
+            ["threads the server runs (serving 2N connections)", result["server_threads"]],
+            ["threads in this process, more than before", result["process_threads_added_while_serving_2n_connections"]],
             ["rendezvous messages (Register in, Start out)", counters["rendezvous_messages"]],
             ["  per rank", f"{result['per_rank']['rendezvous_messages']:.1f}"],
             ["handshake frames per connection", f"{result['per_rank']['handshake_frames']:.1f}"],

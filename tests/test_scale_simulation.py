@@ -1,5 +1,6 @@
 """`benchmarks/scale.py --simulate` at N = 64 (and 63, not a power of two): the counts the
-issue asks for, from the real negotiation, cache and schedule code on simulated ranks."""
+issue asks for, from the real negotiation, cache and schedule code on simulated ranks; and
+`--driver` at N = 32: the real control server, one thread for every rank and task."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import scale  # noqa: E402
+import scale_driver  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +50,13 @@ def test_small_allreduces_take_log_n_rounds_and_rendezvous_stays_linear(simulate
     assert result["recursive_doubling_rounds"] <= math.ceil(math.log2(size)) + 2
     assert result["rendezvous_messages_total"] <= 4 * size
     assert result["model"]["recursive_doubling_4KiB_s"] < result["model"]["ring_4KiB_s"]
+
+
+def test_the_driver_serves_n_ranks_and_their_tasks_from_one_thread_with_o1_messages_each():
+    result = scale_driver.measure_driver(32, report_seconds=1.5)
+    counters = result["counters"]
+    assert result["server_threads"] == 1 and result["threads_started_by_the_server"] == 1
+    assert counters["connections"] == 64 and counters["peak_open_connections"] == 64
+    assert counters["rendezvous_messages"] == 2 * 32  # Register in, Start out
+    assert counters["clock_probes"] == 5 * 32
+    assert counters["liveness_reports"] == result["liveness_events_relayed"] >= 32

@@ -27,7 +27,8 @@ The uncached path, only when some rank set COORDINATE:
 
 What sets COORDINATE, and so how often step 4 runs in a training loop: a request the cache
 does not hold (every name on the first step, a new name, a changed shape or dtype, every
-allgather, whose shapes vary, a join), a cached request that has waited on its rank half
+allgather, whose shapes vary, a join, an unnamed collective such as `hvd.barrier()`, whose
+name is never seen again), a cached request that has waited on its rank half
 the stall time for the others (rank 0 then reports the stall and times it out, as
 before), and rank 0 holding names that some ranks submitted and others not yet. A loop that
 allreduces the same named tensors step after step takes step 4 on its first step only.

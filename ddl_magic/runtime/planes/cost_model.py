@@ -49,8 +49,8 @@ class LinkCost:
 
 # Fitted on the emulated network (see the module's docstring); the benchmark prints these
 # lines for its own fit: paste them here to refit.
-NETWORK = LinkCost(alpha_s=0.476e-3, beta_s_per_byte=8.05e-9, gamma_s_per_byte=0.2e-9)
-LOCAL = LinkCost(alpha_s=0.343e-3, beta_s_per_byte=1.73e-9, gamma_s_per_byte=0.2e-9)
+NETWORK = LinkCost(alpha_s=0.486e-3, beta_s_per_byte=7.92e-9, gamma_s_per_byte=0.377e-9)
+LOCAL = LinkCost(alpha_s=0.33e-3, beta_s_per_byte=1.69e-9, gamma_s_per_byte=0.377e-9)
 
 
 def link_between(hosts: int) -> LinkCost:
