@@ -3,7 +3,7 @@ namespaces, a delay and a rate on each host's link), ring against recursive doub
 the α-β-γ model (`runtime/planes/cost_model.py`) fitted to what was measured and checked
 against it.
 
-    sudo python benchmarks/emulated_network.py                 # ~8 min on 2 cores
+    sudo python benchmarks/emulated_network.py                 # ~12 min on 2 cores
     sudo python benchmarks/emulated_network.py --delay-ms 0.2 --rate-mbit 1000 --repeats 1
 
 Needs root (namespaces, TAP interfaces, tc: iproute2). Every host is a network namespace
@@ -388,8 +388,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="repetitions of 4 KiB (default 30)")
     parser.add_argument("--large-reps", type=int, default=2,
                         help="repetitions of 64 MiB (default 2)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="sweeps over every configuration, the median reported (default 2)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="sweeps over every configuration; the least disturbed is reported "
+                             "(default 3)")
     parser.add_argument("--switch", help=argparse.SUPPRESS)
     parser.add_argument("--parent-fd", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
