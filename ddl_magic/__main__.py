@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .frontends import demo
+from .frontends.options import checked
 
 DESCRIPTION = """\
 ddl_magic runs a notebook cell on N ranks (%%horovod -np N) with its own ring-allreduce
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.np < 1:
-        parser.error(f"-np must be at least 1 (got {args.np})")
+    checked(args, parser.error, example="python -m ddl_magic demo -np 2")
     if args.epochs < 1:
         parser.error(f"--epochs must be at least 1 (got {args.epochs})")
     return demo.run_demo(np=args.np, epochs=args.epochs, timeline=args.timeline, timeout=args.timeout)

@@ -9,6 +9,7 @@ import pytest
 from ddl_magic.driver.attribution import (CAUSE_TIMEOUT_S, LAST_WORDS_TIMEOUT_S, RankFacts,
                                           failures_settled)
 from ddl_magic.driver.events import FailureKind, ProcessExited, RankFailed, RankStarted
+from ddl_magic.driver.failure_policies import FailFast, connection_lost
 from ddl_magic.driver.watcher import RunWatcher
 from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.launch.spark import SparkLauncher
@@ -34,16 +35,18 @@ def replay(tmp_path, events, abort_before: int, describe_lost=None):
     error raised, the failures shown and the run's records."""
     run = RunResult("run", len(HOSTS), "test", ranks=new_records(len(HOSTS), str(tmp_path)))
     display = ShownFailures()
-    watcher = RunWatcher(run, display, None, exits_follow_output=True, describe_lost=describe_lost)
+    watcher = RunWatcher(run, display, None, events=None, server=None)
+    policy = FailFast(watcher, exits_follow_output=True,
+                      describe_lost=describe_lost or connection_lost)
     for rank, host in enumerate(HOSTS):
         watcher.handle(RankStarted(rank, host, 100 + rank))
     for index, event in enumerate(events):
         if index == abort_before:
-            watcher._aborted_at_ns = index * 10 - 5
+            watcher.aborted_at_ns = index * 10 - 5
         watcher.handle(event)
-    with pytest.raises(RankFailedError) as failure:
-        watcher._raise_failure()
-    return failure.value, display.failures, run.ranks
+    failure = policy.failure()
+    assert isinstance(failure, RankFailedError)
+    return failure, display.failures, run.ranks
 
 
 def failed(rank, kind, at, reason="", exit_code=None, lost_rank=None):

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from ddl_magic.driver.elastic import elastic_bounds
+from ddl_magic.driver.run_options import elastic_bounds
 from ddl_magic.driver.elastic_plan import (ElasticBounds, ResetRound, choose_next_world,
                                            over_reset_limit, too_few_ranks)
 

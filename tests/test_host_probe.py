@@ -8,6 +8,7 @@ import pytest
 
 from ddl_magic.driver.events import HostUnanswered, RanksPlaced, RankStarted
 from ddl_magic.driver.host_probe import HostProbes, answers
+from ddl_magic.driver.failure_policies import FailFast
 from ddl_magic.driver.watcher import RunWatcher
 from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.driver.records import RankStatus, new_records
@@ -55,7 +56,7 @@ def test_only_the_silent_host_is_reported_with_the_ranks_placed_on_it(silent_por
 
 def watch_four_ranks(tmp_path):
     run = RunResult("run", 4, "test", ranks=new_records(4, str(tmp_path)))
-    watcher = RunWatcher(run, ShownFailures(), None)
+    watcher = RunWatcher(run, ShownFailures(), None, events=None, server=None)
     for rank in (0, 2):
         watcher.handle(RankStarted(rank, "host-a", 100 + rank))
     return watcher, run
@@ -65,11 +66,11 @@ def test_ranks_on_a_host_that_never_answered_fail_naming_it(tmp_path):
     watcher, run = watch_four_ranks(tmp_path)
     watcher.handle(RanksPlaced(0, ["10.0.0.2:1", "10.0.0.3:1", "10.0.0.2:1", "10.0.0.3:1"]))
     watcher.handle(HostUnanswered("10.0.0.3", [1, 3], at_ns=10))
-    with pytest.raises(RankFailedError) as failure:
-        watcher._raise_failure()
-    assert (failure.value.rank, failure.value.host) == (1, "10.0.0.3")
-    assert "its host 10.0.0.3 stopped answering" in failure.value.reason
-    assert "with ranks 1 and 3" in failure.value.reason
+    failure = FailFast(watcher).failure()
+    assert isinstance(failure, RankFailedError)
+    assert (failure.rank, failure.host) == (1, "10.0.0.3")
+    assert "its host 10.0.0.3 stopped answering" in failure.reason
+    assert "with ranks 1 and 3" in failure.reason
     assert [r.status for r in run.ranks] == ["running", "failed", "running", "failed"]
 
 
@@ -78,4 +79,4 @@ def test_a_silent_host_whose_ranks_spoke_is_only_slow(tmp_path, spoke):
     watcher, run = watch_four_ranks(tmp_path)
     watcher.handle(spoke)
     watcher.handle(HostUnanswered("10.0.0.3", [1, 3], at_ns=10))
-    assert watcher._failures == [] and run.ranks[3].status is RankStatus.STARTING
+    assert watcher.failures == [] and run.ranks[3].status is RankStatus.STARTING

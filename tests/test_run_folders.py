@@ -1,10 +1,12 @@
 """Old run folders are pruned before a run makes its own; recent ones and other files stay."""
 
 import os
+import tempfile
 
 import pytest
 
-from ddl_magic.driver.run_folders import DEFAULT_KEEP_RUNS, prune_run_folders, runs_to_keep
+from ddl_magic.driver.run_folders import (DEFAULT_KEEP_RUNS, RECENT_S, new_run_folder, new_run_id,
+                                          prune_run_folders, runs_to_keep)
 
 NOW = 2_000_000_000.0
 
@@ -51,3 +53,27 @@ def test_a_bad_setting_says_what_to_set(monkeypatch, value):
 def test_fifty_by_default(monkeypatch):
     monkeypatch.delenv("DDL_MAGIC_KEEP_RUNS", raising=False)
     assert runs_to_keep() == DEFAULT_KEEP_RUNS == 50
+
+
+def test_a_pools_folders_are_pruned_like_a_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_KEEP_RUNS", "3")
+    names = ["20260101-000000-abcdef", "pool-20260101-000001-fedcba", "20260101-000002-abcdef",
+             "pool-20260101-000003-fedcba"]  # oldest first
+    for name in names:
+        (tmp_path / name / "cell-1").mkdir(parents=True)
+        for path in (tmp_path / name / "cell-1", tmp_path / name):
+            os.utime(path, (NOW - 3600, NOW - 3600))
+    removed = prune_run_folders(str(tmp_path), now=NOW)
+    assert [os.path.basename(path) for path in removed] == names[:2]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+
+
+def test_a_folder_its_run_holds_is_never_removed_and_goes_once_released(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_KEEP_RUNS", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = new_run_folder(new_run_id(pool=True))  # a pool idle for an hour: its files are old
+    os.utime(folder, (NOW - 3600, NOW - 3600))
+    runs_dir = os.path.dirname(folder)
+    assert prune_run_folders(runs_dir, now=NOW) == []
+    folder.release()
+    assert prune_run_folders(runs_dir, now=NOW + RECENT_S + 1) == [folder]

@@ -1,9 +1,10 @@
 """An elastic run, watched: a lost rank resets the world instead of ending the run.
 
 The rank's side of a reset is `torch/elastic/` (its design note says what this side owes
-it); the decisions are `elastic_plan.py`'s. `ElasticWatcher` replaces `RunWatcher`'s
-fail-fast for runs started with `min_np`/`max_np`, and only for those: a run without them
-is watched as it always was.
+it); the decisions are `elastic_plan.py`'s. `Elastic` is the failure policy of the run's
+watcher (`watcher.FailurePolicy`) for runs started with `min_np`/`max_np`, and only for
+those: a run without them fails fast (`failure_policies.py`). The driver's one watch loop
+(`watch_loop.py`) carries out what it decides.
 
 Slots. The run view and the run's record have one row per *slot*: the run's `np` slots, each
 held by one process at a time. The process in a slot is addressed by the slot's number (its
@@ -12,7 +13,7 @@ replacement takes the slot of a rank that was lost and joins the next world as o
 last ranks. `RunResult.resets` says, for each reset, which ranks left and joined and which
 slot holds each rank of the new world.
 
-The phases of a reset, one flat loop with a branch per phase (`Phase`), each wait bounded:
+The phases of a reset, a branch per phase (`Phase`) in `Elastic.decide`, each wait bounded:
 
     RUNNING ── a member lost, or one asks ──► GATHERING  (every member asks or is lost; hung
                                                           after 2 peer timeouts + 1 s: killed)
@@ -33,27 +34,22 @@ the world's ranks a host-update notice (`HostsUpdated`); at their next `commit()
 from __future__ import annotations
 
 import enum
-import queue
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from .attribution import describe_exit
 from .elastic_plan import (ElasticBounds, ResetRound, WorldChoice,
                            blacklisted_hosts, choose_next_world, over_reset_limit, too_few_ranks)
 from .events import (FailureKind, ProcessExited, RankFailed, RankFinished, RankStarted,
                      ResetAsked, WorldReset)
+from .launcher import Launcher
 from .records import RankStatus
-from .run_result import RunTimeoutError
 from .run_status import RunStatus
-from .watcher import REFRESH_INTERVAL_S, REGISTER_TIMEOUT_S, RunWatcher
+from .watch_loop import KEEP_WATCHING, Decision, Failed, Finished
+from .watcher import RunWatcher
 from ..wire.channel import peer_timeout_s
-from ..wire.elastic_settings import (REPLACEMENT_START_S, blacklist_after, elastic_timeout_s,
-                                     reset_limit)
+from ..wire.elastic_settings import REPLACEMENT_START_S
 from ..wire.messages import HostsUpdated, NextWorld, RunCannotGoOn
-
-if TYPE_CHECKING:
-    from .control import ControlServer
 
 # The timeline's row for resets, written by the driver (a lane the ranks never record, so
 # not in `timeline/lanes.py`'s table: its row comes after theirs).
@@ -71,17 +67,6 @@ class ElasticRunError(RuntimeError):
     """An elastic run could not go on: too few ranks after the wait, or too many resets."""
 
 
-def elastic_bounds(np: int, min_np: int | None, max_np: int | None) -> ElasticBounds:
-    """The bounds of a run of `np` ranks given `min_np` and/or `max_np`, checked, with the
-    limits the environment sets (`wire/elastic_settings.py`, DDL_MAGIC_ELASTIC_BLACKLIST_AFTER)."""
-    low = np if min_np is None else min_np
-    high = np if max_np is None else max_np
-    if not 1 <= low <= np <= high:
-        raise ValueError(f"elastic run: need 1 <= min_np <= np <= max_np, got min_np={low}, "
-                         f"np={np}, max_np={high}: e.g. -np 4 --min-np 2 --max-np 4")
-    return ElasticBounds(low, high, reset_limit(), elastic_timeout_s(), blacklist_after())
-
-
 class Phase(enum.Enum):
     """Where the run is in its resets (the module doc draws the transitions)."""
 
@@ -91,14 +76,14 @@ class Phase(enum.Enum):
     STARTING = "starting"  # replacements started, not all registered yet
 
 
-class ElasticWatcher(RunWatcher):
-    """`RunWatcher` for an elastic run: a lost rank starts a reset (the module doc)."""
+class Elastic:
+    """The failure policy of an elastic run: a lost rank starts a reset (the module doc)."""
 
-    def __init__(self, *args, launcher, bounds: ElasticBounds, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, watcher: RunWatcher, launcher: Launcher, bounds: ElasticBounds):
+        self.watcher = watcher
+        self.record = watcher.record
         self._launcher = launcher
         self._bounds = bounds
-        self._server: ControlServer | None = None
         self._phase = Phase.RUNNING
         self._generation = 0
         self._world: list[int] = list(range(self.record.np))  # slots, in rank order
@@ -108,7 +93,7 @@ class ElasticWatcher(RunWatcher):
         self._starting: set[int] = set()  # replacements not registered yet
         # Registered replacements waiting for the next world (launchers whose replacements
         # join later), in the order they came.
-        self._join_later = getattr(launcher, "replacements_join_later", False)
+        self._join_later = launcher.replacements_join_later
         self._ready: list[int] = []
         self._exit_pending: set[int] = set()  # slots whose lost process's exit is still queued
         self._vanished: set[int] = set()  # lost by a closed connection, exit status not known yet
@@ -116,41 +101,10 @@ class ElasticWatcher(RunWatcher):
         self._failures_taken = 0
         self.record.resets = []
 
-    def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
-        """Handle events until every rank of the current world finished; raise
-        `ElasticRunError` when the run cannot go on."""
-        self._server = server
-        started = time.monotonic()
-        while not self._finished():
-            now = time.monotonic()
-            if timeout_s is not None and now - started > timeout_s:
-                self.record.status = RunStatus.TIMED_OUT
-                raise RunTimeoutError(
-                    f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
-                    f"Logs: {self.record.log_dir}")
-            if (self._generation == 0 and now - started > REGISTER_TIMEOUT_S
-                    and len(server.registered) < self.record.np):
-                self._fail(f"ranks {sorted(set(range(self.record.np)) - server.registered)} did "
-                           f"not connect within {REGISTER_TIMEOUT_S:.0f} s")
-            try:
-                self.handle(events.get(timeout=REFRESH_INTERVAL_S))
-            except queue.Empty:
-                pass
-            self._judge_liveness()
-            self._take_failures()
-            self._advance(time.monotonic())
-            self._refresh()
-        for slot in [*self._ready, *self._starting]:  # their tasks end with the run's
-            record = self.record.ranks[slot]
-            record.status, record.reason = RankStatus.STOPPED, "the run ended before it joined"
-        self._results = {rank: self._results[slot] for rank, slot in enumerate(self._world)}
-        self._collect_results()
-        self.record.status = RunStatus.DONE
-
-    def handle(self, event) -> None:
+    def take(self, event: object) -> bool:
         if isinstance(event, ResetAsked):
             self._asked(event)
-            return
+            return True
         if isinstance(event, RankStarted) and self.record.ranks[event.rank].ended:
             self._restart_record(event.rank)
             self._starting.discard(event.rank)  # registered: it waits for its place
@@ -160,7 +114,7 @@ class ElasticWatcher(RunWatcher):
                     self._announce_joiners()
         if isinstance(event, RankFinished) and event.rank not in self._world:
             self.record.ranks[event.rank].apply(event)  # retired: its part is over
-            return
+            return True
         if isinstance(event, RankFinished) and self._round is not None:
             # It returned before it saw the world end: it left the ring, and will not ask.
             self._round.lose(event.rank, "it had returned before the reset")
@@ -174,10 +128,24 @@ class ElasticWatcher(RunWatcher):
                 self._host_failures[self._slot_host(event.rank)] += 1
             elif self._round is not None and event.rank in self._vanished:
                 # a lost process's exit status says more than its closed connection
-                self._round.lost[event.rank] = describe_exit(event.returncode)
+                self._round.tell_better(event.rank, describe_exit(event.returncode))
             self._exit_pending.discard(event.rank)
             self._vanished.discard(event.rank)
-        super().handle(event)
+        return False
+
+    def decide(self, now: float) -> Decision:
+        try:
+            self._take_failures()
+            self._advance(now)
+        except ElasticRunError as error:
+            return Failed(error)
+        if self._phase is not Phase.RUNNING or not all(
+                slot in self.watcher.results for slot in self._world):
+            return KEEP_WATCHING
+        for slot in [*self._ready, *self._starting]:  # their tasks end with the run's
+            record = self.record.ranks[slot]
+            record.status, record.reason = RankStatus.STOPPED, "the run ended before it joined"
+        return Finished([self.watcher.results[slot] for slot in self._world])
 
     # ---- the phases ------------------------------------------------------------------------
 
@@ -233,7 +201,7 @@ class ElasticWatcher(RunWatcher):
     def _start_replacements(self, slots: tuple[int, ...]) -> None:
         for slot in slots:
             self._starting.add(slot)
-            self._server.expect_again(slot)
+            self.watcher.server.expect_again(slot)
             # True: the lost process's exit is queued, and comes before anything of the new one
             if self._launcher.replace(slot) and self.record.ranks[slot].exit_code is None:
                 self._exit_pending.add(slot)
@@ -247,15 +215,15 @@ class ElasticWatcher(RunWatcher):
         if len(members) < self._bounds.min_np:
             self._fail(too_few_ranks(len(members), self._bounds, 0.0,
                                      blacklisted_hosts(self._host_failures, self._bounds)))
-        generation, formed_at = self._generation + 1, time.time()
-        peers = [(rank, *self._server.registration(slot)) for rank, slot in enumerate(members)]
+        generation, formed_at, server = self._generation + 1, time.time(), self.watcher.server
+        peers = [(rank, *server.registration(slot)) for rank, slot in enumerate(members)]
         for rank, slot in enumerate(members):
             if slot in choice.newcomers:
-                self._server.start_joined(slot, peers, rank, generation)
+                server.start_joined(slot, peers, rank, generation)
             else:
-                self._server.send(slot, NextWorld(generation, rank, peers, formed_at))
+                server.send(slot, NextWorld(generation, rank, peers, formed_at))
         for slot in choice.retired:
-            self._server.send(slot, NextWorld(generation, None, peers, formed_at))
+            server.send(slot, NextWorld(generation, None, peers, formed_at))
         left = round_.left()
         reset = WorldReset(generation, tuple(rank for rank, _ in left),
                            tuple(reason for _, reason in left),
@@ -265,13 +233,9 @@ class ElasticWatcher(RunWatcher):
                            time.time())
         self.record.resets.append(reset)
         self._say(reset.describe())
-        self.display.handle(reset)
-        if self._trace is not None:  # the reset, from its first sign to the new world, per row
-            start_us = round_.started_at * 1e6  # the driver's monotonic clock, as the trace's
-            event = (RESET_LANE, reset.describe(), start_us, time.monotonic() * 1e6 - start_us,
-                     None)
-            for slot in members:
-                self._trace.write(slot, [event])
+        self.watcher.display.handle(reset)
+        # the reset, from its first sign to the new world, on each member's row
+        self.watcher.mark_span(RESET_LANE, reset.describe(), round_.started_at * 1e6, members)
         self._generation, self._world = generation, members
         self._ready = [slot for slot in self._ready if slot not in members]
         self._phase, self._round, self._choice = Phase.RUNNING, None, None
@@ -291,13 +255,14 @@ class ElasticWatcher(RunWatcher):
                   "they join at the ranks' next commit")
         notice = HostsUpdated(time.time(), added=True, removed=False)
         for slot in self._world:
-            self._server.send(slot, notice)
+            self.watcher.server.send(slot, notice)
 
     def _take_failures(self) -> None:
-        """A failure of a member is a lost rank (RunWatcher would end the run on it)."""
-        for failure in self._failures[self._failures_taken:]:
+        """A failure of a member is a lost rank (fail-fast would end the run on it)."""
+        failures = self.watcher.failures
+        for failure in failures[self._failures_taken:]:
             self._lose(failure)
-        self._failures_taken = len(self._failures)
+        self._failures_taken = len(failures)
 
     def _lose(self, failure: RankFailed) -> None:
         slot = failure.rank
@@ -319,35 +284,31 @@ class ElasticWatcher(RunWatcher):
                                      ask_timeout_s())
             self._phase = Phase.GATHERING
             for slot in self._world:
-                if slot in self._results:
+                if slot in self.watcher.results:
                     self._round.lose(slot, "it had returned before the reset")
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _finished(self) -> bool:
-        return self._phase is Phase.RUNNING and all(slot in self._results for slot in self._world)
 
     def _restart_record(self, slot: int) -> None:
         """A replacement holds the slot now: its row starts over, its log goes on."""
         record = self.record.ranks[slot]
         record.status, record.reason, record.failure = RankStatus.STARTING, "", None
         record.ended_at, record.exit_code = None, None
-        self._results.pop(slot, None)
-        self._logs[slot].write(f"---- ddl_magic: a replacement rank starts in this slot "
-                               f"(world {self._generation + 1}) ----\n")
+        self.watcher.results.pop(slot, None)
+        self.watcher.log(slot, f"---- ddl_magic: a replacement rank starts in this slot "
+                               f"(world {self._generation + 1}) ----")
 
     def _slot_host(self, slot: int) -> str:
         return self.record.ranks[slot].host
 
     def _say(self, line: str) -> None:
-        for log in self._logs.values():
-            log.write(f"---- ddl_magic elastic: {line} ----\n")
+        for slot in range(self.record.np):
+            self.watcher.log(slot, f"---- ddl_magic elastic: {line} ----")
 
     def _fail(self, why: str) -> None:
         """The run cannot go on: every waiting rank hears why, and the run fails with it."""
-        if self._server is not None:
-            for slot in self._world:
-                self._server.send(slot, RunCannotGoOn(why))
+        for slot in self._world:
+            self.watcher.server.send(slot, RunCannotGoOn(why))
         self.record.status = RunStatus.FAILED
         self.record.error = why
         raise ElasticRunError(why)

@@ -65,6 +65,12 @@ class ResetRound:
             self.asked.pop(slot, None)
             self.lost[slot] = reason
 
+    def tell_better(self, slot: int, reason: str) -> None:
+        """A lost member's reason, better told: its exit status, which came after its closed
+        connection had lost it."""
+        if slot in self.lost:
+            self.lost[slot] = reason
+
     @property
     def complete(self) -> bool:
         """Every member asked or was lost."""

@@ -40,8 +40,6 @@ any -> STOPPED. Every wait has a deadline: the ranks' start, a stopped cell's en
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
 import enum
 import itertools
 import os
@@ -49,28 +47,28 @@ import queue
 import sys
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-
-from .attribution import describe_exit
 from .display import DisplayFactory, text_display
-from .events import (ProcessExited, RankFailed, RankOutput, RankProcessState, RankStarted,
-                     describe_ranks)
-from .job import ranks_environment, remember_run
+from .events import RankStarted
+from .failure_policies import FailFast
+from .job import remember_run
+from .launcher import Launcher
 from .pool_losses import describe_lost, replaced_message, why_not_replaced
-from .pool_server import LOST, CellEndedOn, CellEvents, PoolError, PoolServer
+from .pool_ranks import PoolRanks
+from .pool_server import LOST, CellEvents, PoolError, PoolServer
 from .records import RankStatus, new_records
-from .run_folders import new_run_folder
+from .run_options import check_options
 from .run_result import RankFailedError, RunResult, RunTimeoutError
+from .run_setup import RunSetup, prepare_run
 from .run_status import RunStatus
-from .watcher import REGISTER_TIMEOUT_S, RunWatcher
+from .watch_loop import KEEP_WATCHING, Decision, Failed, Finished, watch
+from .watcher import REGISTER_TIMEOUT_S, RunWatcher, ended_as
 from ..timeline.chrome import join_traces
-from ..wire.channel import new_secret, peer_timeout_s
 from ..wire.elastic_settings import REPLACEMENT_START_S
-from ..wire.liveness import LivenessWatch, ProcessState, report_interval_s
-from ..wire.messages import (CELL_END_MARK, CellEnded, Failed, FormRing, Probe, ProbeReply, RunCell, RunSettings)
+from ..wire.liveness import report_interval_s
+from ..wire.messages import CellEnded, FormRing, Probe, ProbeReply, RunCell, RunSettings
 
 # After a cell was stopped, how long its ranks may take to end it. One that has not by then
 # is stuck where no interrupt reaches (native code): the pool is broken, and stopped.
@@ -91,6 +89,18 @@ class PoolState(str, enum.Enum):
         return self.value
 
 
+class RankState(str, enum.Enum):
+    """A pool rank's state, as `Pool.status()` shows it. A str: it prints and compares as
+    its value."""
+
+    IDLE = "idle"
+    RUNNING = "running"  # a cell runs on it
+    GONE = "gone"  # lost, or the pool broke or stopped
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class PoolBrokenError(PoolError):
     """A rank of the pool was lost; its other ranks were stopped. `%horovod restart`."""
 
@@ -102,7 +112,7 @@ class RankInfo:
     rank: int
     host: str
     pid: int | None
-    state: str  # "idle", "running" or "gone"
+    state: RankState
     rss_bytes: int | None = None
     uptime_s: float | None = None
 
@@ -123,42 +133,47 @@ class Pool:
     `LocalLauncher` or a `SparkLauncher`, `display` makes each cell's display.
     """
 
-    def __init__(self, np: int, launcher, *, env: dict[str, str] | None = None,
+    def __init__(self, np: int, launcher: Launcher, *, env: dict[str, str] | None = None,
                  timeline_path: str | None = None, use_gpu: bool = False,
                  display: DisplayFactory = text_display, min_np: int | None = None):
-        if np < 1:
-            raise ValueError(f"a pool needs at least 1 rank (got np={np})")
-        if min_np is not None and not 1 <= min_np <= np:
-            raise ValueError(f"an elastic pool needs 1 <= min_np <= np, got min_np={min_np}, "
-                             f"np={np}: e.g. %horovod start -np 4 --min-np 2")
+        self._bounds = check_options(np, min_np=min_np)
         self.np = np
         self.min_np = min_np  # elastic: lost ranks are replaced while min_np are left
         self.replaced: list[str] = []  # what each replacement of lost ranks said
         self.launcher = launcher
         self.where = launcher.where  # in words, for messages (an elastic pool's: at its start)
         self.env = dict(env or {})
-        self.timeline_path = timeline_path
+        self.timeline_path = timeline_path  # where this start's cells record theirs
+        self._timeline_asked = timeline_path  # "": in the pool's folder, wherever that is
         self.use_gpu = use_gpu
         self.display = display
         self.state = PoolState.STOPPED
         self.broken_reason = ""
         self.rank_names: set[str] = set()  # names cells assigned on the ranks: theirs
-        self.hosts: list[str] = [""] * np
-        self.pids: list[int | None] = [None] * np
         self.cells = 0
         self.log_dir = ""
+        self._setup: RunSetup | None = None
         self._epochs = itertools.count(1)
         self._ring_ok = True
-        self._events: queue.Queue = queue.Queue()
+        self._ranks = self._new_ranks()
         self._server: PoolServer | None = None
         self._running_ranks: set[int] = set()
-        self._gone: dict[int, str] = {}  # rank -> how it was lost
         self._launcher_stopped = False
-        self._liveness = LivenessWatch(peer_timeout_s())
         # Held by whoever reads the events or changes the state: a cell, a pull, a status,
         # start and stop, and the watch between cells while it takes in what came.
         self._lock = threading.RLock()
         self._stop_watching = threading.Event()
+
+    @property
+    def hosts(self) -> list[str]:
+        return self._ranks.hosts
+
+    @property
+    def pids(self) -> list[int | None]:
+        return self._ranks.pids
+
+    def _new_ranks(self) -> PoolRanks:
+        return PoolRanks(self.np, queue.Queue(), self._log, self._note_cell_ended)
 
     # ---- life ------------------------------------------------------------------------------
 
@@ -181,32 +196,28 @@ class Pool:
 
     def _start(self) -> None:
         if self._launcher_stopped:  # a restart: a fresh launcher, on today's session
-            self.launcher = type(self.launcher)()
+            self.launcher = self.launcher.renewed()
             self._launcher_stopped = False
-        self.launcher.check(self.np)
+        self._setup = setup = prepare_run(self.np, self.launcher, env=self.env,
+                                          use_gpu=self.use_gpu,
+                                          timeline_path=self._timeline_asked,
+                                          bounds=self._bounds, pool=True)
         self.where = self.launcher.elastic_where if self.min_np else self.launcher.where
-        env = ranks_environment(self.env, self.use_gpu)
-        if self.use_gpu:
-            self.launcher.check_gpus(self.np)
-        pool_id = "pool-" + time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self.pool_id = pool_id
-        self.log_dir = new_run_folder(pool_id)
-        if self.timeline_path == "":
-            self.timeline_path = os.path.join(self.log_dir, "timeline")
-        settings = RunSettings(pool_id, env, timeline=self.timeline_path is not None,
+        self.pool_id, self.log_dir, self.timeline_path = (setup.run_id, setup.log_dir,
+                                                          setup.timeline_path)
+        settings = RunSettings(setup.run_id, setup.env, timeline=setup.timeline_path is not None,
                                return_all=False, pool=True)
-        secret = new_secret()
-        self._events = queue.Queue()
-        self._gone = {}
+        self._ranks = self._new_ranks()
         self._ring_ok = True
-        self._liveness = LivenessWatch(peer_timeout_s())
         self.state = PoolState.STARTING
-        self._server = PoolServer(secret, self.np, b"", settings, self._events,
-                                   self.launcher.bind_host, self.launcher.advertised_host)
+        self._server = PoolServer(setup.secret, self.np, b"", settings, self._ranks.events,
+                                  self.launcher.bind_host, self.launcher.advertised_host)
         # Elastic: on Spark, each rank a job of its own, so that a lost one takes no other.
-        self.launcher.start(self.np, self._server.address, secret, self._events,
+        self.launcher.start(self.np, self._server.address, setup.secret, self._ranks.events,
                             elastic=self.min_np is not None)
-        self._await_ring(0, REGISTER_TIMEOUT_S + FORM_RING_TIMEOUT_S, starting=True)
+        self._ranks.await_ring(0, REGISTER_TIMEOUT_S + FORM_RING_TIMEOUT_S, True, self.where,
+                               self.log_dir)
+        self._ring_ok = True
         self.state = PoolState.READY
 
     def stop(self) -> None:
@@ -233,16 +244,16 @@ class Pool:
         module's docstring). It never waits on the queue itself, only on its stop: a cell
         takes the lock at once. It ends with the pool's ranks (stopped, broken, restarted)."""
         stop = self._stop_watching = threading.Event()
-        interval = report_interval_s(self._liveness.peer_timeout_s)
+        interval = report_interval_s(self._ranks.liveness.peer_timeout_s)
 
-        def watch() -> None:
+        def watch_idle() -> None:
             while not stop.wait(interval):
                 with self._lock:
                     if stop.is_set() or self.state is not PoolState.READY:
                         return
                     self._absorb_between_cells()
 
-        threading.Thread(target=watch, name="ddl-pool-between-cells", daemon=True).start()
+        threading.Thread(target=watch_idle, name="ddl-pool-between-cells", daemon=True).start()
 
     def _release(self, still_active: bool = False) -> None:
         """Stop the processes and the server. `still_active`: the pool stays this process's
@@ -256,6 +267,8 @@ class Pool:
             if self._server is not None:
                 self._server.close()
                 self._server = None
+            if self._setup is not None:
+                self._setup.release()
             with _active_lock:
                 if _active is self and not still_active:
                     _active = None
@@ -297,7 +310,7 @@ class Pool:
         self._absorb_between_cells()
         self.check_usable()
         if not self._ring_ok:  # the fresh ring after a stopped cell was itself interrupted
-            self._await_ring(next(self._epochs), FORM_RING_TIMEOUT_S)
+            self._form_ring(FORM_RING_TIMEOUT_S)
         epoch = next(self._epochs)
         self.cells += 1
         cell_dir = os.path.join(self.log_dir, f"cell-{self.cells}")
@@ -309,80 +322,83 @@ class Pool:
         remember_run(record)  # `last_run()` is the last cell
         display = self.display(record.ranks, quiet=quiet, log_dir=cell_dir,
                                title=title or f"pool cell {self.cells}", timeline_path=timeline)
+        events = CellEvents(self._ranks, epoch, selected)
         # The liveness judged between cells goes on (a host silent since before the cell is
         # judged in it); the cause of ranks that only lost a peer is awaited (a Spark host
         # cut off: its ranks' peers time out about when its tasks are judged silent).
-        watcher = RunWatcher(record, display, timeline,
-                             describe_lost=getattr(self.launcher, "describe_lost", None),
-                             liveness=self._liveness, await_cause=True)
+        watcher = RunWatcher(record, display, timeline, events, self._server,
+                             liveness=self._ranks.liveness)
+        policy = FailFast(watcher, describe_lost=self.launcher.describe_lost, await_cause=True)
         for rank in range(self.np):
             if rank in selected:
                 watcher.handle(RankStarted(rank, self.hosts[rank], self.pids[rank]))
             else:
                 record.ranks[rank].end(RankStatus.DONE, "not in --ranks")
                 watcher.leave_out(rank)
-        events = CellEvents(self, epoch, selected)
         self._server.begin_cell(epoch, selected)
         self.state = PoolState.RUNNING
         self._running_ranks = set(selected)
         only = tuple(selected) if ranks is not None and len(selected) < self.np else None
-        outcome = RunStatus.FAILED
-        try:
-            display.display()
-            for rank in selected:
-                self._server.send(rank, RunCell(epoch, task, return_all, only))
-            watcher.watch(events, self._server, timeout_s)
-            outcome = RunStatus.DONE
-        except KeyboardInterrupt:
-            outcome = RunStatus.INTERRUPTED
-            raise
-        except RunTimeoutError:
-            raise RunTimeoutError(f"the cell ran past its timeout of {timeout_s:g} s and was "
-                                  "stopped on every rank; the ranks stay up, with their state. "
-                                  f"Logs: {cell_dir}") from None
-        finally:
+
+        def stop(outcome: RunStatus) -> None:
             if outcome is not RunStatus.DONE:
                 self._server.abort("the cell was interrupted" if outcome is RunStatus.INTERRUPTED
                                    else "the cell timed out" if record.status is RunStatus.TIMED_OUT
                                    else "the cell failed")
             self._server.end_cell()
-            try:
-                self._finish_cell(events, watcher, selected)
-            finally:
-                watcher.close(outcome)
-                self._running_ranks = set()
-                self._after_cell()
+            self._finish_cell(events, watcher, selected)
+
+        try:
+            with ended_as(watcher, stop):
+                display.display()
+                for rank in selected:
+                    self._server.send(rank, RunCell(epoch, task, return_all, only))
+                try:
+                    watcher.watch(policy, timeout_s)
+                except RunTimeoutError:
+                    raise RunTimeoutError(
+                        f"the cell ran past its timeout of {timeout_s:g} s and was stopped on "
+                        f"every rank; the ranks stay up, with their state. Logs: {cell_dir}") from None
+        finally:
+            self._running_ranks = set()
+            self._after_cell()
         if selected != list(range(self.np)):
             record.results = [record.results[rank] for rank in selected]
             record.result = record.results[0]
         return record
 
-    def _finish_cell(self, events: "CellEvents", watcher: RunWatcher, selected: list[int]) -> None:
+    def _finish_cell(self, events: CellEvents, watcher: RunWatcher, selected: list[int]) -> None:
         """Wait until every rank of the cell ended it (or was lost), at most `STOP_GRACE_S`."""
         for record in watcher.record.ranks:  # judged lost in the cell (its host fell silent)
             if record.failure is not None and record.failure.kind in LOST:
-                self.note_lost(record.rank, record.reason or record.failure.reason)
-        watcher.drain(events)
+                self._ranks.note_lost(record.rank, record.reason or record.failure.reason)
+        watcher.drain()
         deadline = time.monotonic() + STOP_GRACE_S
-        while not all(rank in events.ended or rank in self._gone for rank in selected):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stuck = [rank for rank in selected if rank not in events.ended and rank not in self._gone]
-                self._break(f"ranks {stuck} did not stop their cell within {STOP_GRACE_S:g} s "
-                            "of being asked (stuck where no interrupt reaches, e.g. in native "
-                            "code); the pool was stopped")
-                return
-            try:
-                watcher.handle(events.get(timeout=left))
-            except queue.Empty:
-                pass
+        gone = self._ranks.gone
+
+        def decide(now: float) -> Decision:
+            stuck = [rank for rank in selected if rank not in events.ended and rank not in gone]
+            if not stuck:
+                return Finished()
+            if now > deadline:
+                return Failed(PoolBrokenError(
+                    f"ranks {stuck} did not stop their cell within {STOP_GRACE_S:g} s of being "
+                    "asked (stuck where no interrupt reaches, e.g. in native code); the pool "
+                    "was stopped"))
+            return KEEP_WATCHING
+
+        try:
+            watch(_CellEnds(events, watcher.handle, decide))
+        except PoolBrokenError as stuck:
+            self._break(str(stuck))
+            return
         for rank in selected:
             ended = events.ended.get(rank)
             if ended is None or not ended.ring_ok:
                 self._ring_ok = False
 
     def _after_cell(self) -> None:
-        if self._gone:
+        if self._ranks.gone:
             self._replace_or_break(f"in cell {self.cells}")
             return
         if self.state is PoolState.BROKEN:
@@ -390,83 +406,33 @@ class Pool:
         self.state = PoolState.READY
         if not self._ring_ok:
             try:
-                self._await_ring(next(self._epochs), FORM_RING_TIMEOUT_S)
+                self._form_ring(FORM_RING_TIMEOUT_S)
             except (PoolError, RankFailedError) as exc:
                 self._break(f"the ranks could not form a fresh ring after cell {self.cells}: {exc}")
 
-    def _await_ring(self, epoch: int, timeout_s: float, starting: bool = False,
-                    asked: bool = False) -> None:
-        """Every rank forms a fresh ring (epoch 0: they do at start, unasked; `asked`: the
-        caller has asked them)."""
-        if not starting and not asked:
-            for rank in range(self.np):
-                self._server.send(rank, FormRing(epoch))
-        formed: dict[int, CellEnded] = {}
-        lines: dict[int, list[str]] = collections.defaultdict(list)
-        deadline = time.monotonic() + timeout_s
-        while len(formed) < self.np:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(self.np)) - set(formed))
-                raise PoolError(f"ranks {missing} did not {'start' if starting else 'form a ring'} "
-                                f"within {timeout_s:.0f} s ({self.where}); their output "
-                                f"is in {self.log_dir}")
-            try:
-                event = self._events.get(timeout=left)
-            except queue.Empty:
-                continue
-            match event:
-                case RankStarted(rank, host, pid):
-                    self.hosts[rank], self.pids[rank] = host, pid
-                case RankProcessState(rank, state, periodic):
-                    self._liveness.reported(rank, ProcessState(state), time.monotonic(), periodic)
-                case RankOutput(rank, _, text) if CELL_END_MARK not in text:
-                    lines[rank].append(text)
-                    self._log(rank, text)
-                case CellEndedOn(rank, message) if message.epoch == epoch:
-                    if isinstance(message.outcome, Failed):
-                        raise PoolError(f"rank {rank} could not form the ring: "
-                                        f"{message.outcome.reason}\n{message.outcome.traceback}")
-                    formed[rank] = message
-                case ProcessExited(rank, returncode, output):
-                    said = "\n".join(lines[rank][-20:]) or output
-                    raise PoolError(f"rank {rank} ended while the pool was starting "
-                                    f"({describe_exit(returncode)}){':' if said else ''}\n{said}")
-                case RankFailed(rank, _, _, _, reason):
-                    said = "\n".join(lines[rank][-20:])
-                    raise PoolError(f"rank {rank} failed while the pool was starting "
-                                    f"({reason}){':' if said else ''}\n{said}")
+    def _form_ring(self, timeout_s: float, peers: list | None = None, joining=()) -> None:
+        """Every rank forms a fresh ring (`peers`: with a new peer table, which the
+        replacements `joining` start on)."""
+        epoch = next(self._epochs)
+        for rank in range(self.np):
+            if rank in joining:
+                self._server.start_joined(rank, peers, rank, epoch)
+            else:
+                self._server.send(rank, FormRing(epoch, peers))
+        self._ranks.await_ring(epoch, timeout_s, False, self.where, self.log_dir)
         self._ring_ok = True
 
     def _absorb_between_cells(self) -> None:
         """Take in what happened since the last cell: a rank lost while idle breaks the pool."""
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                break
-            match event:
-                case ProcessExited(rank, returncode):
-                    self._liveness.forget(rank)
-                    self.note_lost(rank, describe_exit(returncode), exited=True)
-                case RankFailed(rank, _, kind, _, reason) if kind in LOST:
-                    self.note_lost(rank, reason)
-                case RankProcessState(rank, state, periodic) if rank not in self._gone:
-                    self._liveness.reported(rank, ProcessState(state), time.monotonic(), periodic)
-                case RankOutput(rank, _, text) if CELL_END_MARK not in text:
-                    self._log(rank, text)
-        timeout = self._liveness.peer_timeout_s
-        for rank, _ in self._liveness.verdicts(time.monotonic(), stopped_too=False,
-                                               hosts=self.hosts):
-            self.note_lost(rank, f"{self.hosts[rank] or 'its host'} stopped answering: no word "
-                                 f"from the Spark task that runs it for {timeout:g} s")
-        if self._gone:
+        self._ranks.absorb()
+        if self._ranks.gone:
             self._replace_or_break("while the pool was idle")
 
     def _replace_or_break(self, when: str) -> None:
         """Ranks were lost: an elastic pool with `min_np` left replaces them; else it breaks."""
-        what = describe_lost(self._gone, self.hosts, when)
-        if (why_not := why_not_replaced(self.np, len(self._gone), self.min_np)) is not None:
+        gone = self._ranks.gone
+        what = describe_lost(gone, self.hosts, when)
+        if (why_not := why_not_replaced(self.np, len(gone), self.min_np)) is not None:
             self._break(f"{what}: {why_not}" if why_not else what)
             return
         try:
@@ -477,31 +443,17 @@ class Pool:
     def _replace_lost(self, what: str) -> None:
         """Start a fresh rank in each lost one's place, then have every rank form a fresh ring
         with the new peer table; the survivors keep their namespaces."""
-        lost = sorted(self._gone)
+        lost = sorted(self._ranks.gone)
         for rank in lost:
             self._server.expect_again(rank)
-            self._liveness.forget(rank)
+            self._ranks.liveness.forget(rank)
+            self._ranks.replacing.add(rank)
             self.launcher.replace(rank)
-        deadline = time.monotonic() + REPLACEMENT_START_S
-        while missing := [rank for rank in lost if not self._server.registration(rank)]:
-            if time.monotonic() > deadline:
-                raise PoolError(f"{describe_ranks(missing)} did not start within "
-                                f"{REPLACEMENT_START_S:g} s ({self.where})")
-            with contextlib.suppress(queue.Empty):
-                match self._events.get(timeout=0.1):
-                    case RankStarted(rank, host, pid):
-                        self.hosts[rank], self.pids[rank] = host, pid
-                    case RankOutput(rank, _, text) if CELL_END_MARK not in text:
-                        self._log(rank, text)
-        self._gone = {}
-        epoch = next(self._epochs)
+        self._ranks.await_registered(lost, lambda rank: bool(self._server.registration(rank)),
+                                     REPLACEMENT_START_S, self.where)
+        self._ranks.gone.clear()
         peers = [(rank, *self._server.registration(rank)) for rank in range(self.np)]
-        for rank in range(self.np):
-            if rank in lost:
-                self._server.start_joined(rank, peers, rank, epoch)
-            else:
-                self._server.send(rank, FormRing(epoch, peers))
-        self._await_ring(epoch, FORM_RING_TIMEOUT_S, asked=True)
+        self._form_ring(FORM_RING_TIMEOUT_S, peers, joining=lost)
         said = replaced_message(what, lost, self.rank_names)
         self.replaced.append(said)
         print(f"ddl_magic pool: {said}", file=sys.stderr, flush=True)
@@ -537,15 +489,10 @@ class Pool:
         with open(os.path.join(self.log_dir, f"rank-{rank}.log"), "a", encoding="utf-8") as log:
             log.write(text + "\n")
 
-    def note_cell_ended(self, rank: int, message: CellEnded) -> None:
+    def _note_cell_ended(self, rank: int, message: CellEnded) -> None:
         self.rank_names.update(message.names)
         if not message.ring_ok:
             self._ring_ok = False
-
-    def note_lost(self, rank: int, how: str, exited: bool = False) -> None:
-        """`exited`: its process's exit status says how (better than a lost connection)."""
-        if exited or rank not in self._gone:
-            self._gone[rank] = how
 
     # ---- values and state ------------------------------------------------------------------
 
@@ -570,15 +517,17 @@ class Pool:
             with self._lock:
                 if self.state is PoolState.READY:
                     self._absorb_between_cells()
-        live = [r for r in range(self.np) if r not in self._gone]
+        gone = self._ranks.gone
+        live = [r for r in range(self.np) if r not in gone]
         replies: dict[int, ProbeReply] = {}
         server = self._server  # (None once the watch between cells broke the pool)
         if server is not None and live:
             replies = server.ask(live, Probe, PROBE_TIMEOUT_S)
         infos = []
         for rank in range(self.np):
-            gone = rank in self._gone or self.state in (PoolState.BROKEN, PoolState.STOPPED)
-            state = "gone" if gone else "running" if rank in self._running_ranks else "idle"
+            state = (RankState.GONE if rank in gone or self.state in (PoolState.BROKEN,
+                                                                        PoolState.STOPPED)
+                     else RankState.RUNNING if rank in self._running_ranks else RankState.IDLE)
             reply = replies.get(rank)
             infos.append(RankInfo(rank, self.hosts[rank], self.pids[rank], state,
                                   reply.rss_bytes if reply else None,
@@ -598,3 +547,12 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<ddl_magic pool: {self.np} ranks, {self.state.value}, {self.cells} cells>"
+
+
+@dataclass
+class _CellEnds:
+    """A stopped cell's last ends, as the watch loop sees them (`Pool._finish_cell`)."""
+
+    events: CellEvents
+    take: Callable[[object], None]
+    decide: Callable[[float], Decision]

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any
 import queue
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import cloudpickle
 
@@ -106,7 +105,7 @@ class PoolServer(ControlServer):
             if reply is None:
                 raise PoolError(f"rank {rank} did not answer within {timeout_s:.0f} s")
             if reply.error:
-                raise KeyError(reply.error) if "has no name" in reply.error else PoolError(reply.error)
+                raise KeyError(reply.error) if reply.missing else PoolError(reply.error)
             values.append(cloudpickle.loads(reply.value))
         return values
 
@@ -128,10 +127,10 @@ class PoolServer(ControlServer):
 
 
 class CellsPool(Protocol):
-    """What one cell's events need of their pool (`pool.Pool`)."""
+    """What one cell's events need of their pool's ranks (`pool_ranks.PoolRanks`)."""
 
     hosts: list[str]
-    _events: queue.Queue
+    events: queue.Queue  # the pool's, which the cell reads while it runs
 
     def note_cell_ended(self, rank: int, message: CellEnded) -> None: ...
 
@@ -151,7 +150,7 @@ class CellEvents:
 
     def __init__(self, pool: CellsPool, epoch: int, ranks: list[int]):
         self._pool = pool
-        self._source = pool._events
+        self._source = pool.events
         self.epoch = epoch
         self.ended: dict[int, CellEnded] = {}
         self._marks: dict[int, set[str]] = {rank: set() for rank in ranks}

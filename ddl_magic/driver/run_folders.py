@@ -1,36 +1,67 @@
 """Each run keeps its logs (and its timeline, by default) in a folder of its own under
-``<tmp>/ddl_magic-runs``; without pruning, an afternoon of cells left hundreds there. Before
-a run makes its folder, the oldest are removed so that the newest ``DDL_MAGIC_KEEP_RUNS``
-(default 50) remain, counting the new one. A folder written to in the last ten minutes is
-never removed: it may be a run going on in another notebook.
+``<tmp>/ddl_magic-runs``, named by its id (`new_run_id`: a one-shot run's, or a pool's,
+whose cells keep theirs inside it); without pruning, an afternoon of cells left hundreds
+there. Before a run makes its folder, the oldest are removed so that the newest
+``DDL_MAGIC_KEEP_RUNS`` (default 50) remain, counting the new one. A folder is never removed
+while its run (or pool) goes on, in this notebook or another: the run holds a lock on it
+(`RunFolder.release` lets it go); nor one written to in the last ten minutes (a run of an
+older ddl_magic, which holds no lock).
 
 Example::
 
-    log_dir = new_run_folder(run_id)     # the oldest pruned first
+    folder = new_run_folder(new_run_id())     # the oldest pruned first
+    ...
+    folder.release()                          # the run ended: the folder may go, in its turn
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import tempfile
 import time
+import uuid
 
 KEEP_RUNS_VARIABLE = "DDL_MAGIC_KEEP_RUNS"
 DEFAULT_KEEP_RUNS = 50
 RECENT_S = 600.0
-# Only folders named as runs are (run ids start with the time, so names sort by age).
-_RUN_FOLDER = re.compile(r"\d{8}-\d{6}-[0-9a-f]{6}")
+POOL_PREFIX = "pool-"
+# Only folders named as runs are: a run's id, or a pool's. Ids start with the time, so the
+# time sorts them by age.
+_RUN_FOLDER = re.compile(rf"(?:{POOL_PREFIX})?(\d{{8}}-\d{{6}}-[0-9a-f]{{6}})")
+_IN_USE = ".in-use"  # the lock file a running run holds
 
 
-def new_run_folder(run_id: str) -> str:
+def new_run_id(pool: bool = False) -> str:
+    """A new run's id: its start time and a random tail, '20261127-130102-4a9ede' (a pool's
+    starts with 'pool-')."""
+    return (POOL_PREFIX if pool else "") + time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+class RunFolder(str):
+    """A run's folder (a path: a `str`), held against pruning until `release`."""
+
+    _lock: int | None = None
+
+    def release(self) -> None:
+        """The run is over: from now on its folder may be pruned like any other."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
+
+
+def new_run_folder(run_id: str) -> RunFolder:
     """A new folder for the run `run_id` under ``<tmp>/ddl_magic-runs``, made once the oldest
-    were pruned. Not "ddl_magic/...": a folder of that name in the working directory would
-    shadow the package for ranks started there."""
-    folder = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
-    prune_run_folders(os.path.dirname(folder))
-    os.makedirs(folder, exist_ok=True)
+    were pruned, and held for the run. Not "ddl_magic/...": a folder of that name in the
+    working directory would shadow the package for ranks started there."""
+    path = os.path.join(tempfile.gettempdir(), "ddl_magic-runs", run_id)
+    prune_run_folders(os.path.dirname(path))
+    os.makedirs(path, exist_ok=True)
+    folder = RunFolder(path)
+    folder._lock = os.open(os.path.join(path, _IN_USE), os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC)
+    fcntl.flock(folder._lock, fcntl.LOCK_SH)
     return folder
 
 
@@ -50,21 +81,37 @@ def prune_run_folders(runs_dir: str, now: float | None = None) -> list[str]:
     ``runs_to_keep()`` remain; returns the paths removed."""
     keep = runs_to_keep()
     try:
-        names = sorted(name for name in os.listdir(runs_dir) if _RUN_FOLDER.fullmatch(name))
+        runs = sorted((started.group(1), name) for name in os.listdir(runs_dir)
+                      if (started := _RUN_FOLDER.fullmatch(name)))
     except FileNotFoundError:
         return []
     now = time.time() if now is None else now
     removed = []
-    for name in names[:max(len(names) - (keep - 1), 0)]:
+    for _, name in runs[:max(len(runs) - (keep - 1), 0)]:
         path = os.path.join(runs_dir, name)
         try:
-            if now - _last_written(path) < RECENT_S:
+            if now - _last_written(path) < RECENT_S or _held(path):
                 continue
             shutil.rmtree(path)
         except OSError:
             continue  # another kernel removed it, or is still writing there: leave it
         removed.append(path)
     return removed
+
+
+def _held(folder: str) -> bool:
+    """Whether a run (of any process) still holds `folder`."""
+    try:
+        lock = os.open(os.path.join(folder, _IN_USE), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)
 
 
 def _last_written(folder: str) -> float:

@@ -15,14 +15,28 @@ Example::
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .attribution import describe_exit
 from .records import RankRecord, RankStatus
 from .run_status import RunStatus
 
-if TYPE_CHECKING:
-    from .run_result import RunResult
+
+class RunResult(Protocol):
+    """What a report reads of a run (`run_result.RunResult`, which shows itself with these)."""
+
+    run_id: str
+    np: int
+    where: str
+    status: RunStatus
+    ranks: list[RankRecord]
+    log_dir: str
+    timeline_path: str | None
+    started_at: float
+    error: str | None
+
+    @property
+    def duration_s(self) -> float: ...
 
 STATUS_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
                   "interrupted": "#fb8c00", "timed out": "#fb8c00", "starting": "#9e9e9e",

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .events import GroupRestarted, WorldReset
 from .records import RankRecord
 from .run_report import run_report_html, run_report_text
 from .run_status import RunStatus
-
-if TYPE_CHECKING:
-    from .tracking import TrackedRun
 
 
 class RunTimeoutError(TimeoutError):
@@ -48,6 +45,27 @@ def restarts_made(restarts: int) -> str:
         return ""
     return (f", after {restarts} restart{'s' if restarts != 1 else ''} of the whole group "
             f"(max_restarts={restarts}: none left)")
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """Where a ddl_magic run is tracked: `last_run().mlflow`.
+
+    Example:
+        >>> from mlflow import MlflowClient                                  # doctest: +SKIP
+        >>> tracked = ddl_magic.last_run().mlflow                            # doctest: +SKIP
+        >>> MlflowClient(tracked.tracking_uri).get_run(tracked.run_id).info.status  # doctest: +SKIP
+        'FINISHED'
+    """
+
+    tracking_uri: str
+    experiment_id: str
+    run_id: str
+
+    def rank_environment(self) -> dict[str, str]:
+        """What every rank needs so that `mlflow.log_*` there logs into this run."""
+        return {"MLFLOW_TRACKING_URI": self.tracking_uri, "MLFLOW_RUN_ID": self.run_id,
+                "MLFLOW_EXPERIMENT_ID": self.experiment_id}
 
 
 @dataclass

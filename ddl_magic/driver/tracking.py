@@ -38,15 +38,13 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from logging import ERROR, getLogger
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
+from .run_options import JobOptions
+from .run_result import RunResult, TrackedRun
 from .run_status import RunStatus
 
-if TYPE_CHECKING:
-    from .job import JobOptions
-    from .run_result import RunResult
 
 AUTOMATIC_VARIABLE = "DDL_MAGIC_MLFLOW"
 INSTALL_HINT = 'pip install "ddl_magic[mlflow]"'
@@ -62,27 +60,6 @@ _STATUSES = {RunStatus.DONE: "FINISHED", RunStatus.INTERRUPTED: "KILLED"}
 
 class TrackingWarning(UserWarning):
     """Something ddl_magic meant to log to MLflow was not logged; the run itself went on."""
-
-
-@dataclass(frozen=True)
-class TrackedRun:
-    """Where a ddl_magic run is tracked: `last_run().mlflow`.
-
-    Example:
-        >>> from mlflow import MlflowClient                                  # doctest: +SKIP
-        >>> tracked = ddl_magic.last_run().mlflow                            # doctest: +SKIP
-        >>> MlflowClient(tracked.tracking_uri).get_run(tracked.run_id).info.status  # doctest: +SKIP
-        'FINISHED'
-    """
-
-    tracking_uri: str
-    experiment_id: str
-    run_id: str
-
-    def rank_environment(self) -> dict[str, str]:
-        """What every rank needs so that `mlflow.log_*` there logs into this run."""
-        return {"MLFLOW_TRACKING_URI": self.tracking_uri, "MLFLOW_RUN_ID": self.run_id,
-                "MLFLOW_EXPERIMENT_ID": self.experiment_id}
 
 
 def check_setting(mlflow: object) -> None:

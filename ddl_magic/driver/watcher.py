@@ -1,46 +1,101 @@
 """Watches one run from the driver's main thread: applies each event to the run's record,
 writes the ranks' logs and the trace, drives the display, and fails the ranks that are gone.
 
-What it applies is decided elsewhere, by pure functions tested without processes: which
-failure caused the others, and when the failures of a moment are all in (`attribution.py`);
-whether a rank is alive (`wire/liveness.py`). `Job.run` (`job.py`) starts the ranks and
-hands the watcher the run's event queue::
+What happens about failures is its policy's (`failure_policies.py`: fail-fast, restarts;
+`elastic.py`: elastic), carried out by the driver's one loop (`watch_loop.py`). What it
+applies is decided by pure functions tested without processes: which failure caused the
+others (`attribution.py`), whether a rank is alive (`wire/liveness.py`). `Job.run`
+(`job.py`) and a pool's cell (`pool.py`) start the ranks and hand the watcher the run's
+event queue and control server::
 
-    watcher.watch(events, server, timeout_s)   # until every rank finished, or the first failure
-    watcher.drain(events)                      # after the ranks were stopped: last lines, exits
-    watcher.close(outcome)                     # the run's end; logs closed, ranks left stopped
+    watcher.watch(policy, timeout_s)   # until the policy decides the run finished or failed
+    watcher.drain()                    # after the ranks were stopped: last lines, exits
+    watcher.close(outcome)             # the run's end; logs closed, ranks left stopped
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import signal
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Iterable, Iterator
+from typing import Callable, NamedTuple, Protocol
 
 import cloudpickle
 
-from .attribution import RankFacts, attribute, describe_exit, failures_settled
+from .attribution import RankFacts, describe_exit
+from .control import ControlServer
 from .display import RunDisplay
-from .events import (FailureKind, GroupRestarted, HostUnanswered, ProcessExited, RankFailed, RankFinished,
-                     RankOutput, RankProcessState, RanksPlaced, RankStarted, TimelineBatch,
-                     TimelineStarted)
+from .events import (FailureKind, GroupRestarted, HostUnanswered, ProcessExited, RankFailed,
+                     RankFinished, RankOutput, RankProcessState, RanksPlaced, RankStarted,
+                     TimelineBatch, TimelineStarted)
 from .host_probe import HostProbes
 from .records import RankRecord, RankStatus
-from .run_result import RankFailedError, RunResult, RunTimeoutError, restarts_made
+from .run_result import RunResult, RunTimeoutError
 from .run_status import RunStatus, shown_end
+from .watch_loop import (KEEP_WATCHING, REFRESH_INTERVAL_S, Decision, EventSource, Failed,
+                         Restart, watch)
 from ..wire.channel import ABORTED_EXIT_CODE, peer_timeout_s
 from ..wire.liveness import LivenessWatch, ProcessState, Verdict
 
-if TYPE_CHECKING:
-    from .control import ControlServer
-
+# Every rank must have connected and registered by then (a Spark stage may wait for slots).
+REGISTER_TIMEOUT_S = 120.0
 # The timeline's row for a restart of the whole group, written by the driver (a lane the
 # ranks never record, as elastic.py's RESET_LANE).
 RESTART_LANE = "restart"
-REFRESH_INTERVAL_S = 0.1  # the display's, at most; and the longest wait for an event
-# Every rank must have connected and registered by then (a Spark stage may wait for slots).
-REGISTER_TIMEOUT_S = 120.0
+
+
+class FailurePolicy(Protocol):
+    """What a run does when its ranks end: fail fast, restart, go on elastic. It decides;
+    the watch loop carries out what it decides."""
+
+    def take(self, event: object) -> bool:
+        """See `event` before the run's record does; True: it was the policy's alone."""
+
+    def decide(self, now: float) -> Decision:
+        """After the events so far: keep watching, or the run finished, failed, restarts."""
+
+
+class DriverSpan(NamedTuple):
+    """An event the driver writes into rows of a run's trace, in a lane the ranks never
+    record (a restart of the group, an elastic reset): the trace's event shape."""
+
+    lane: str
+    name: str
+    start_us: float  # the driver's monotonic clock, as every event of the trace
+    duration_us: float
+    args: dict | None = None
+
+
+class RanksNotConnectedError(RuntimeError):
+    """Ranks of the run did not connect to the driver within `REGISTER_TIMEOUT_S`."""
+
+
+@contextlib.contextmanager
+def ended_as(watcher: RunWatcher, stop: Callable[[RunStatus], None]) -> Iterator[None]:
+    """A run's (or a pool's cell's) one way out. However it ends (every rank returned, a
+    failure, a timeout, the stop button), `stop(outcome)` stops what is left of it and takes
+    in its last words; then the watcher closes its record, logs, trace and display.
+
+    Example::
+
+        with ended_as(watcher, stop):
+            launcher.start(...)
+            watcher.watch(policy, timeout_s)
+    """
+    outcome = RunStatus.FAILED
+    try:
+        yield
+        outcome = RunStatus.DONE
+    except KeyboardInterrupt:
+        outcome = RunStatus.INTERRUPTED
+        raise
+    finally:
+        try:
+            stop(outcome)
+        finally:
+            watcher.close(outcome)
 
 
 def _open_trace(path: str):
@@ -51,36 +106,40 @@ def _open_trace(path: str):
 
 
 class RunWatcher:
-    """Applies events to the run record, the display, the log files and the timeline."""
+    """Applies events to the run record, the display, the log files and the timeline.
+
+    What its failure policy reads and does through it: `results` (each rank's pickled
+    return value, by slot), `failures` (as they came), `abort`, `facts`, `log`,
+    `mark_span`; `server` and `events` are the current group's (a restart brings new ones).
+    """
 
     def __init__(self, record: RunResult, display: RunDisplay, timeline_path: str | None,
-                 host_probes: HostProbes | None = None, exits_follow_output: bool = False,
-                 describe_lost: Callable[[str, list[int]], str] | None = None,
-                 liveness: LivenessWatch | None = None, await_cause: bool = False):
+                 events: EventSource, server: ControlServer, host_probes: HostProbes | None = None,
+                 liveness: LivenessWatch | None = None):
         """`liveness`: the judgement to go on with, a pool's: its ranks live on after a cell,
         so it keeps judging them between cells (a host silent since before this cell is
-        judged in it) and a rank's end of this cell does not end it. `await_cause`: see
-        `attribution.failures_settled`."""
+        judged in it) and a rank's end of this cell does not end it."""
         self.record = record
+        self.display = display
+        self.events = events
+        self.server = server
+        self.results: dict[int, bytes | None] = {}
+        self.failures: list[RankFailed] = []
+        self.aborted_at_ns: int | None = None  # what ends after this, the driver ended
         self._host_probes = host_probes
         self._tasks_started: set[int] = set()  # ranks whose task said it is starting them
         self._placement: list[str] = []  # the executor of each rank, where Spark said
-        # (host, ranks) -> the reason to show when those ranks of one host vanished together
-        self._describe_lost = describe_lost or (lambda host, ranks: "connection lost")
-        self._exits_follow_output = exits_follow_output
         self._output_before_start: dict[int, list[str]] = {}  # a rank's failure, if it never starts
-        self.display = display
         self._logs = {r.rank: open(r.log_path, "a", encoding="utf-8", buffering=1)
                       for r in record.ranks}
         self._trace = _open_trace(timeline_path) if timeline_path else None
-        self._results: dict[int, bytes | None] = {}
-        self._failures: list[RankFailed] = []
-        self._aborted_at_ns: int | None = None
         self._liveness = liveness or LivenessWatch(peer_timeout_s())  # from the owners' reports
         self._ranks_live_on = liveness is not None
-        self._await_cause = await_cause
         self._stopping = False
         self._last_refresh = 0.0
+        self._policy: FailurePolicy | None = None
+        self._timeout_s: float | None = None
+        self._all_registered = False
         # A restarted run's timeout covers its earlier groups: the time they were watched.
         self._watched_before_s = 0.0
         self._watch_started = 0.0
@@ -88,50 +147,53 @@ class RunWatcher:
     def leave_out(self, rank: int) -> None:
         """The run does not wait for `rank`, which does not take part (a pool's cell run on
         some ranks only)."""
-        self._results[rank] = None
+        self.results[rank] = None
 
-    def watch(self, events: queue.Queue, server: ControlServer, timeout_s: float | None) -> None:
-        """Handle events until every rank finished; raise RankFailedError on the first failure."""
-        started = self._watch_started = time.monotonic()
-        first_failure_at = None
-        cause_in = False
-        while len(self._results) < self.record.np:
-            now = time.monotonic()
-            if first_failure_at is not None and failures_settled(
-                    self._failures, self._facts(), now - first_failure_at,
-                    self._exits_follow_output, self._await_cause):
-                break
-            if timeout_s is not None and now - started + self._watched_before_s > timeout_s:
-                self.record.status = RunStatus.TIMED_OUT
-                raise RunTimeoutError(
-                    f"the run exceeded its timeout of {timeout_s:g} s; all ranks were stopped. "
-                    f"Logs: {self.record.log_dir}")
-            if now - started > REGISTER_TIMEOUT_S and len(server.registered) < self.record.np:
-                missing = sorted(set(range(self.record.np)) - server.registered)
+    # ---- the watch -------------------------------------------------------------------------
+
+    def watch(self, policy: FailurePolicy, timeout_s: float | None,
+              start_again: Callable[[Restart], None] | None = None) -> None:
+        """Apply events until `policy` decides the run finished (the results are in the
+        record) or failed (its error is raised); `start_again` carries out a restart."""
+        self._policy, self._timeout_s = policy, timeout_s
+        self._watch_started = time.monotonic()
+        finished = watch(self, start_again)
+        values = [None if value is None else cloudpickle.loads(value)
+                  for value in finished.results]
+        self.record.results, self.record.result = values, values[0]
+        self.record.status = RunStatus.DONE
+
+    def take(self, event: object) -> None:
+        if not self._policy.take(event):
+            self.handle(event)
+
+    def decide(self, now: float) -> Decision:
+        self._judge_liveness()
+        decision = self._policy.decide(now)
+        self._refresh()
+        if decision is not KEEP_WATCHING:
+            return decision
+        if (self._timeout_s is not None
+                and now - self._watch_started + self._watched_before_s > self._timeout_s):
+            self.record.status = RunStatus.TIMED_OUT
+            return Failed(RunTimeoutError(
+                f"the run exceeded its timeout of {self._timeout_s:g} s; all ranks were "
+                f"stopped. Logs: {self.record.log_dir}"))
+        if not self._all_registered:
+            self._all_registered = len(self.server.registered) == self.record.np
+            if not self._all_registered and now - self._watch_started > REGISTER_TIMEOUT_S:
+                missing = sorted(set(range(self.record.np)) - self.server.registered)
                 self.record.status = RunStatus.FAILED
-                raise RuntimeError(
+                return Failed(RanksNotConnectedError(
                     f"ranks {missing} did not connect within {REGISTER_TIMEOUT_S:.0f} s "
                     f"({self.record.where}{self._placed_on(missing)}); see their logs in "
-                    f"{self.record.log_dir}")
-            try:
-                self.handle(events.get(timeout=REFRESH_INTERVAL_S))
-            except queue.Empty:
-                pass
-            self._judge_liveness()
-            if self._failures and first_failure_at is None:
-                first_failure_at = time.monotonic()
-                self._aborted_at_ns = time.monotonic_ns()  # what ends after this, we ended
-                server.abort(f"rank {self._failures[0].rank} failed")
-            if self._await_cause and not cause_in and any(
-                    f.kind is not FailureKind.LOST_PEER for f in self._failures):
-                # The moment settles from the cause, not from the lost peers that came before
-                # it: ranks lost with it (a host's, let go together) are in by then.
-                cause_in, first_failure_at = True, time.monotonic()
-            self._refresh()
-        if self._failures:
-            self._raise_failure()
-        self._collect_results()
-        self.record.status = RunStatus.DONE
+                    f"{self.record.log_dir}"))
+        return KEEP_WATCHING
+
+    def abort(self, reason: str) -> None:
+        """Stop every rank now, saying why; what ends after this, the driver ended."""
+        self.aborted_at_ns = time.monotonic_ns()
+        self.server.abort(reason)
 
     def _judge_liveness(self) -> None:
         """Fail the ranks whose owners saw them stopped, or fell silent, for the peer timeout."""
@@ -151,6 +213,8 @@ class RunWatcher:
                     rank, record.host, FailureKind.UNREACHABLE, "",
                     f"{record.host or 'its host'} stopped answering: no word from the task "
                     f"that runs it for {timeout:g} s", at_ns=time.monotonic_ns()))
+
+    # ---- events ----------------------------------------------------------------------------
 
     def handle(self, event) -> None:
         record = self.record
@@ -208,10 +272,10 @@ class RunWatcher:
             if not self._ranks_live_on:
                 self._liveness.forget(event.rank)
             rank.apply(event)
-            self._results[event.rank] = event.result
+            self.results[event.rank] = event.result
         elif isinstance(event, RankFailed):
             self._record_failure(rank, event)
-            return  # shown by _raise_failure, once the failures of this moment are all in
+            return  # shown by the policy, once the failures of this moment are all in
         self.display.handle(event)
 
     def _placed_on(self, ranks: list[int]) -> str:
@@ -248,54 +312,74 @@ class RunWatcher:
             rank.end(RankStatus.STOPPED)  # because another rank failed, or the run was interrupted
             return
         # A lost connection may yet be a rank that we stopped, or one that died on its own:
-        # `_raise_failure` decides, by when it happened and by its exit status.
+        # the policy decides, by when it happened and by its exit status.
         rank.apply(failure)
         if failure.traceback:
             self._logs[failure.rank].write(failure.traceback)
-        self._failures.append(failure)
+        self.failures.append(failure)
 
-    def drain(self, events: queue.Queue) -> None:
-        """Handle what arrived while stopping (last lines, exit codes)."""
+    # ---- what policies read and write ------------------------------------------------------
+
+    def facts(self) -> list[RankFacts]:
+        """What attribution reads of each rank."""
+        return [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
+                for r in self.record.ranks]
+
+    def log(self, slot: int, line: str) -> None:
+        """A line of the driver's own in one rank's log."""
+        self._logs[slot].write(line + "\n")
+
+    def mark_span(self, lane: str, name: str, since_us: float, slots: Iterable[int]) -> None:
+        """A `DriverSpan` from `since_us` (the driver's monotonic clock) until now on each
+        of `slots`' rows of the trace, where the run records one."""
+        if self._trace is None:
+            return
+        span = DriverSpan(lane, name, since_us, time.monotonic_ns() / 1e3 - since_us)
+        for slot in slots:
+            self._trace.write(slot, [span])
+
+    # ---- the end, and a new start ----------------------------------------------------------
+
+    def drain(self) -> None:
+        """Handle what arrived while stopping (last lines, exits)."""
         self._stopping = True
         while True:
             try:
-                self.handle(events.get_nowait())
+                self.handle(self.events.get(timeout=0))
             except queue.Empty:
                 return
 
-    def start_over(self, restart: GroupRestarted, host_probes: HostProbes) -> None:
-        """The whole group starts again (`Job` with max_restarts), after `drain`: what was
-        known of the last group is forgotten, each rank's record starts afresh, its log and
-        the trace go on, and the display shows `restart`. `host_probes` report on the new
-        group's queue."""
+    def start_over(self, restart: GroupRestarted, events: EventSource, server: ControlServer,
+                   host_probes: HostProbes) -> None:
+        """The whole group starts again (`max_restarts`), after `drain`, reporting on
+        `events` to `server`: what was known of the last group is forgotten, each rank's
+        record starts afresh, its log and the trace go on, and the display shows `restart`."""
         self.record.restarts.append(restart)
-        if self._trace is not None and self._aborted_at_ns is not None:
-            # the restart, from the failure that stopped the group to the new group's start
-            start_us = self._aborted_at_ns / 1e3  # the driver's monotonic clock, as the trace's
-            event = (RESTART_LANE, restart.describe(), start_us,
-                     time.monotonic_ns() / 1e3 - start_us, None)
-            for rank in self.record.ranks:
-                self._trace.write(rank.rank, [event])
+        if self.aborted_at_ns is not None:  # from the failure that stopped it to the new start
+            self.mark_span(RESTART_LANE, restart.describe(), self.aborted_at_ns / 1e3,
+                           range(self.record.np))
         self._watched_before_s += time.monotonic() - self._watch_started
-        self._host_probes = host_probes
+        self._watch_started = time.monotonic()
+        self.events, self.server, self._host_probes = events, server, host_probes
         self.record.status, self.record.error = RunStatus.RUNNING, None
-        self._results.clear()
-        self._failures.clear()
-        self._aborted_at_ns = None
+        self.results.clear()
+        self.failures.clear()
+        self.aborted_at_ns = None
         self._liveness = LivenessWatch(peer_timeout_s())
+        self._all_registered = False
         self._stopping = False
         self._tasks_started.clear()
         self._placement = []
         self._output_before_start.clear()
         for rank in self.record.ranks:
             rank.start_over()
-            self._logs[rank.rank].write(f"---- ddl_magic: {restart.describe()}; the whole "
-                                        "group starts again ----\n")
+            self.log(rank.rank, f"---- ddl_magic: {restart.describe()}; the whole group starts "
+                                "again ----")
         self.display.handle(restart)
 
     def close(self, outcome: RunStatus) -> None:
         """End the run: its record, logs, trace and display. Its status is the end `watch`
-        gave it, where it gave one; else `outcome`, how `Job.run` ended (interrupted, or
+        gave it, where it gave one; else `outcome`, how the run ended (interrupted, or
         failed: the ranks did not start, a result did not unpickle)."""
         record = self.record
         if record.status is RunStatus.RUNNING:
@@ -306,9 +390,9 @@ class RunWatcher:
                 rank.end(RankStatus.STOPPED)
             elif rank.status is RankStatus.DONE and rank.exit_code == -signal.SIGKILL:
                 # It had reported its result: the run stands, and the log says why it was killed.
-                self._logs[rank.rank].write(
-                    "ddl_magic: this rank had finished, but its process did not exit when the "
-                    "run ended (a destructor or a thread of its own held it); it was killed\n")
+                self.log(rank.rank, "ddl_magic: this rank had finished, but its process did not "
+                                    "exit when the run ended (a destructor or a thread of its "
+                                    "own held it); it was killed")
         for log in self._logs.values():
             log.close()
         if self._trace is not None:
@@ -321,33 +405,3 @@ class RunWatcher:
             self._last_refresh = now
             self.display.refresh()
 
-    def _raise_failure(self) -> None:
-        """Show and raise the failure that caused the others (`attribution.py` decides), then
-        the ranks it took down."""
-        records = self.record.ranks
-        verdict = attribute(self._failures, self._facts(), self._aborted_at_ns,
-                            self._describe_lost, peer_timeout_s())
-        for rank in verdict.stopped:
-            records[rank].end(RankStatus.STOPPED)  # the driver stopped it
-            records[rank].failure = None
-        for rank, reason in verdict.failed.items():
-            records[rank].end(RankStatus.FAILED, reason)
-        for failure in verdict.failures:
-            self.display.handle(failure)
-        cause = verdict.cause
-        self.record.status = RunStatus.FAILED
-        restarts = len(self.record.restarts)
-        self.record.error = f"rank {cause.rank} failed: {cause.reason}{restarts_made(restarts)}"
-        raise RankFailedError(cause.rank, cause.host, cause.reason, cause.traceback,
-                              cause.exit_code, self.record, restarts)
-
-    def _facts(self) -> list[RankFacts]:
-        """What attribution reads of each rank."""
-        return [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
-                for r in self.record.ranks]
-
-    def _collect_results(self) -> None:
-        values = [cloudpickle.loads(b) if b is not None else None
-                  for _, b in sorted(self._results.items())]
-        self.record.result = values[0]
-        self.record.results = values

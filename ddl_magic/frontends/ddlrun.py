@@ -24,10 +24,12 @@ import os
 import signal
 import sys
 
-from .options import make_display
-from ..driver.elastic import ElasticRunError, elastic_bounds
-from ..driver.job import Job, JobOptions, check_max_restarts
+from .options import (ENV, MAX_NP, MAX_RESTARTS, MIN_NP, NP, TIMELINE, TIMEOUT, checked,
+                      make_display)
+from ..driver.elastic import ElasticRunError
+from ..driver.job import Job, JobOptions
 from ..driver.run_result import RankFailedError, RunTimeoutError, restarts_made
+from ..driver.watcher import RanksNotConnectedError
 from ..launch.local import LocalLauncher
 from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
 
@@ -38,43 +40,18 @@ USAGE = ("ddlrun runs a Python command: ddlrun -np 2 python train.py [args], "
 HARMLESS_PYTHON_OPTIONS = ("-u",)
 
 
-def parse_env(pairs: list[str]) -> dict[str, str]:
-    """['A=1', 'B=x'] -> {'A': '1', 'B': 'x'}, with an error that shows the expected form."""
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--env {pair!r}: expected KEY=VALUE, for example --env OMP_NUM_THREADS=2")
-        env[key] = value
-    return env
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddlrun", description=__doc__.split("\n\n")[0],
         epilog="examples: ddlrun -np 2 python train.py --epochs 3; "
                "ddlrun -np 2 python -m package.train --epochs 3; "
                "ddlrun -np 2 python -c 'import torch; ...'")
-    parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True,
-                        help="number of ranks to start on this machine")
-    parser.add_argument("--min-np", dest="min_np", type=int, metavar="N",
-                        help="elastic: a lost rank resets the world instead of ending the run, "
-                             "which goes on from the last state.commit() while N ranks are "
-                             "left (lost ranks are replaced); the script uses hvd.elastic.run")
-    parser.add_argument("--max-np", dest="max_np", type=int, metavar="N",
-                        help="elastic: at most N ranks (-np at most, on this machine)")
-    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
-                        help="as torchrun's: when a rank fails, stop every rank and start the "
-                             "whole group again, at most K times; each rank's "
-                             "TORCHELASTIC_RESTART_COUNT says which restart it is, for "
-                             "scripts that resume from their own checkpoint (default 0)")
-    parser.add_argument("--timeline", metavar="PATH", default=os.environ.get("HOROVOD_TIMELINE"),
-                        help="write every rank's timeline to PATH (Chrome trace format); "
-                             "HOROVOD_TIMELINE does the same")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
-                        help="stop all ranks if the run takes longer than this")
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                        help="set an environment variable on every rank (repeatable)")
+    for option in (NP.but(required=True), MIN_NP, MAX_NP, MAX_RESTARTS, TIMEOUT, ENV):
+        option.add_to(parser)
+    # A path is needed here (a bare --timeline would take the command for it).
+    TIMELINE.but(nargs=None, const=None, default=os.environ.get("HOROVOD_TIMELINE"),
+                 help="write every rank's timeline to PATH (Chrome trace format); "
+                      "HOROVOD_TIMELINE does the same").add_to(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="python script.py | python -m module | python -c code, then its "
                              "arguments (or just script.py [args...])")
@@ -152,37 +129,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.np < 1:
-        parser.error(f"-np must be at least 1 (got {args.np})")
-    try:
-        env = parse_env(args.env)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.min_np is not None or args.max_np is not None:
-        try:
-            elastic_bounds(args.np, args.min_np, args.max_np)
-        except ValueError as exc:
-            parser.error(str(exc))
-    try:
-        check_max_restarts(args.max_restarts, args.min_np is not None or args.max_np is not None)
-    except ValueError as exc:
-        parser.error(str(exc))
+    options = checked(args, parser.error, example="ddlrun -np 2 python train.py")
     try:
         task = command_task(args.command)
     except ValueError as exc:
         parser.error(str(exc))
-    options = JobOptions(display=make_display, timeout_s=args.timeout, timeline_path=args.timeline, env=env,
-                         title=" ".join(args.command), min_np=args.min_np, max_np=args.max_np,
-                         max_restarts=args.max_restarts)
+    job_options = JobOptions(display=make_display, timeout_s=args.timeout,
+                             timeline_path=args.timeline, env=options.env,
+                             title=" ".join(args.command), min_np=args.min_np,
+                             max_np=args.max_np, max_restarts=args.max_restarts)
     try:
-        Job(task, args.np, LocalLauncher(), options).run()
+        Job(task, args.np, LocalLauncher(), job_options).run()
     except RankFailedError as exc:
         if exc.restarts:  # the display showed the failure; this says the restarts ran out
             print(f"ddlrun: rank {exc.rank} failed: {exc.reason}"
                   f"{restarts_made(exc.restarts)}", file=sys.stderr)
         code = exc.exit_code
         return 128 - code if code is not None and code < 0 else (code or 1)
-    except ElasticRunError as exc:
+    except (ElasticRunError, RanksNotConnectedError) as exc:
         print(f"ddlrun: {exc}", file=sys.stderr)
         return 1
     except RunTimeoutError as exc:

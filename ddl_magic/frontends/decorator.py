@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from .options import make_display
+from .options import make_display, make_launcher
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, check_max_restarts
+from ..driver.job import Job, JobOptions
+from ..driver.run_options import OptionError, check_options
 from ..driver.run_result import RankFailedError, RunResult
 from ..launch import spark_session
-from .runner import make_launcher
 
 
 class DistributedFunction:
@@ -136,11 +136,14 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
             "num_accelerators=: one rank per GPU), e.g. @distributed(np=2)"
             + (f"; got {', '.join(f'{name}={value!r}' for name, value in given.items())}"
                if given else ""))
-    check_max_restarts(max_restarts, elastic=False)
     (name, count), = given.items()
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    try:
+        check_options(count, max_restarts=max_restarts)
+    except OptionError as refused:
+        if refused.option != "np":
+            raise
         raise ValueError(f"@distributed({name}={count!r}): give a positive number of ranks, "
-                         f"e.g. {name}=2")
+                         f"e.g. {name}=2") from None
     described_as = f"@distributed({name}={count}{', remote=True' if remote else ''})"
     use_gpu = name != "np"
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..launch.local import prewarm
+from .options import NP, TIMELINE, TIMEOUT
 from .runner import HorovodRunner
 
 PASSING_ACCURACY = 0.9
@@ -133,10 +134,9 @@ def run_demo(np: int = 2, epochs: int = 150, timeline: str = "",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's command-line options (``python -m ddl_magic demo --help``)."""
-    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=2,
-                        help="number of local ranks (default: 2)")
+    NP.but(default=2, help="number of local ranks (default: 2)").add_to(parser)
     parser.add_argument("--epochs", type=int, default=150, help="passes over the data (default: 150)")
-    parser.add_argument("--timeline", metavar="PATH", default="",
-                        help="where to write the timeline (default: the run's log folder)")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="stop the ranks if the demo takes longer (default: 300)")
+    TIMELINE.but(nargs=None, const=None, default="",
+                 help="where to write the timeline (default: the run's log folder)").add_to(parser)
+    TIMEOUT.but(default=300.0, help="stop the ranks if the demo takes longer (default: 300)"
+                ).add_to(parser)

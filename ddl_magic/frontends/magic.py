@@ -10,23 +10,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .options import make_display, shows_run_view
+from .options import (HorovodUsageError, checked, launch_options, make_display, make_launcher,
+                      run_options, shows_run_view)
 from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
-from ..driver.elastic import elastic_bounds
-from ..driver.job import Job, JobOptions, check_max_restarts, last_run
+from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
-from .ddlrun import parse_env
 from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
-from .runner import make_launcher
 
-
-class HorovodUsageError(ValueError):
-    """A mistake in the %%horovod line; the message says how to write it.
-
-    Raised (unlike IPython's own UsageError) as a real error, so "Run All" stops here.
-    """
+__all__ = ["CellInterrupted", "HorovodMagics", "HorovodUsageError", "show_run_error"]
 
 
 class CellInterrupted(KeyboardInterrupt):
@@ -40,47 +33,17 @@ class CellInterrupted(KeyboardInterrupt):
 @magics_class
 class HorovodMagics(Magics):
     @magic_arguments(name="%horovod")  # the usage line adds one "%": a cell magic has two
-    @argument("-np", "--num-proc", dest="np", type=int,
-              help="number of ranks to run the cell on (not needed while a pool runs)")
-    @argument("--min-np", dest="min_np", type=int, metavar="N",
-              help="elastic: a lost rank resets the world instead of failing the cell; the "
-                   "run goes on from the last state.commit() while N ranks are left (lost "
-                   "ranks are replaced). Needs hvd.elastic.run; see 'Elastic runs' in "
-                   "the README")
-    @argument("--max-np", dest="max_np", type=int, metavar="N",
-              help="elastic: at most N ranks (-np at most)")
-    @argument("--max-restarts", dest="max_restarts", type=int, default=0, metavar="K",
-              help="as torchrun's, for plain torch.distributed code: when a rank fails, "
-                   "stop every rank and run the cell again on fresh ranks, at most K times; "
-                   "TORCHELASTIC_RESTART_COUNT says which restart it is, so code can resume "
-                   "from its own checkpoint. Not in a pool")
+    @launch_options
+    @run_options
     @argument("--ranks", metavar="R,R",
               help="in a pool: run the cell on these ranks only (inspection, printing, "
                    "saving); collectives are refused in such a cell")
-    @argument("--spark", action="store_true",
-              help="run as Spark barrier tasks on the active SparkSession")
-    @argument("--local", action="store_true",
-              help="run as local processes (the default when no SparkSession is active)")
     @argument("-o", "--out", metavar="NAME",
               help="store the result (rank 0's last expression) in the notebook as NAME")
     @argument("--all-ranks", action="store_true",
               help="the result is the list of every rank's last expression")
-    @argument("--timeline", nargs="?", const="", metavar="PATH",
-              help="record every rank's timeline (Chrome trace format) to PATH "
-                   "(default: in the run's log folder) and show it after the run; it opens "
-                   "in chrome://tracing and Perfetto too")
-    @argument("--timeout", type=float, metavar="SECONDS",
-              help="stop all ranks if the cell runs longer than this")
-    @argument("--env", action="append", default=[], metavar="KEY=VALUE",
-              help="set an environment variable on every rank (repeatable)")
-    @argument("--gpu", action="store_true",
-              help="each rank pins the GPU of its local_rank; an error if there are too few GPUs")
     @argument("--quiet", action="store_true",
               help="don't print the report of captured names and payload size")
-    @argument("--mlflow", nargs="?", const=True, metavar="EXPERIMENT",
-              help="track the run in MLflow (in EXPERIMENT, if named): every rank logs into "
-                   "it. Runs are tracked anyway while the notebook has an active MLflow run, "
-                   "unless DDL_MAGIC_MLFLOW=off")
     @line_cell_magic
     def horovod(self, line: str, cell: str | None = None):
         """Run this cell on N ranks with ddl_magic's ring-allreduce runtime.
@@ -128,12 +91,14 @@ class HorovodMagics(Magics):
         `pool.pull(name)`, `pool.restart()`, `pool.stop()`, or `with ddl_magic.start(np=2)`.
         """
         if cell is None:
-            return run_line(self.shell, line, HorovodUsageError)
+            return run_line(self.shell, line)
         try:
             args = parse_argstring(self.horovod, line)
         except UsageError as exc:
             raise HorovodUsageError(f"{exc}{_did_you_mean(str(exc), self.horovod.parser)}. "
                                     "See %%horovod? for every option.") from None
+        if args.out is not None and not args.out.isidentifier():
+            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
         pool = active_pool()
         if pool is not None and (args.min_np is not None or args.max_np is not None):
             raise HorovodUsageError(
@@ -150,25 +115,7 @@ class HorovodMagics(Magics):
                                     "or %horovod start -np 2 for ranks that stay between cells")
         if args.ranks is not None:
             raise HorovodUsageError("--ranks needs a pool: %horovod start -np N first")
-        if args.np < 1:
-            raise HorovodUsageError(f"-np must be at least 1 (got {args.np}); e.g. %%horovod -np 2")
-        if args.min_np is not None or args.max_np is not None:
-            try:
-                elastic_bounds(args.np, args.min_np, args.max_np)
-            except ValueError as exc:
-                raise HorovodUsageError(str(exc)) from None
-        try:
-            check_max_restarts(args.max_restarts, args.min_np is not None or args.max_np is not None)
-        except ValueError as exc:
-            raise HorovodUsageError(str(exc)) from None
-        if args.spark and args.local:
-            raise HorovodUsageError("choose one of --spark and --local")
-        if args.out is not None and not args.out.isidentifier():
-            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
-        try:
-            env = parse_env(args.env)
-        except ValueError as exc:
-            raise HorovodUsageError(str(exc)) from None
+        options = checked(args, HorovodUsageError, example="%%horovod -np 2")
         # The leading newline stands for the %%horovod line, so tracebacks from the ranks
         # give line numbers as the notebook shows them.
         source = "\n" + transform_body(self.shell, cell)
@@ -179,14 +126,14 @@ class HorovodMagics(Magics):
         if captured.is_large:
             print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
                   "load large data on each rank (from files) instead of capturing it")
-        launcher = make_launcher(spark=True if args.spark else (False if args.local else None))
-        options = JobOptions(display=make_display, timeout_s=args.timeout, return_all=args.all_ranks, env=env,
-                             timeline_path=args.timeline, use_gpu=args.gpu,
-                             title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
-                             min_np=args.min_np, max_np=args.max_np,
-                             max_restarts=args.max_restarts)
+        job_options = JobOptions(display=make_display, timeout_s=args.timeout,
+                                 return_all=args.all_ranks, env=options.env,
+                                 timeline_path=args.timeline, use_gpu=args.gpu,
+                                 title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
+                                 min_np=args.min_np, max_np=args.max_np,
+                                 max_restarts=args.max_restarts)
         try:
-            run = Job(captured.payload, args.np, launcher, options).run()
+            run = Job(captured.payload, args.np, make_launcher(options.spark), job_options).run()
         except KeyboardInterrupt:
             record = last_run()
             logs = (f"; their logs are in {record.log_dir}"
@@ -202,10 +149,8 @@ class HorovodMagics(Magics):
         return value
 
     def _on_pool(self, pool, args, line: str, cell: str):
-        if args.out is not None and not args.out.isidentifier():
-            raise HorovodUsageError(f"-o {args.out!r}: the result needs a valid Python name, e.g. -o result")
         try:
-            run = run_cell_on_pool(self.shell, pool, args, line, cell, HorovodUsageError)
+            run = run_cell_on_pool(self.shell, pool, args, line, cell)
         except KeyboardInterrupt:
             raise CellInterrupted("the cell was interrupted on every rank; the ranks stay up, "
                                   "with their state") from None

@@ -23,9 +23,8 @@ import time
 from ..driver.capture import capture_cell
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
-from .ddlrun import parse_env
-from .options import make_display
-from .runner import make_launcher
+from .options import (LAUNCH_OPTIONS, MAX_RESTARTS, NP, HorovodUsageError, checked,
+                      make_display, make_launcher)
 
 
 def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
@@ -59,15 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%horovod", add_help=False, exit_on_error=False)
     commands = parser.add_subparsers(dest="command", required=True)
     started = commands.add_parser("start", add_help=False, exit_on_error=False)
-    started.add_argument("-np", "--num-proc", dest="np", type=int, required=True)
-    started.add_argument("--spark", action="store_true")
-    started.add_argument("--local", action="store_true")
-    started.add_argument("--timeline", nargs="?", const="", metavar="PATH")
-    started.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-    started.add_argument("--gpu", action="store_true")
-    started.add_argument("--min-np", dest="min_np", type=int, metavar="N")
+    for option in LAUNCH_OPTIONS:
+        (option.but(required=True) if option is NP else option).add_to(started)
     # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
-    started.add_argument("--max-restarts", dest="max_restarts", type=int, default=0)
+    MAX_RESTARTS.add_to(started)
     for name in ("stop", "status", "restart"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
@@ -93,16 +87,16 @@ POOL_RESTARTS_REFUSED = (
     "a one-shot cell: %%horovod -np N --max-restarts K")
 
 
-def run_line(shell, line: str, usage_error):
-    """`%horovod <command>`: what the line magic does. `usage_error` is the magic's error type."""
+def run_line(shell, line: str):
+    """`%horovod <command>`: what the line magic does."""
     try:
         args = _parser().parse_args(shlex.split(line))
     except (argparse.ArgumentError, SystemExit, ValueError) as exc:
-        raise usage_error(f"{exc}. Usage: {LINE_USAGE}") from None
+        raise HorovodUsageError(f"{exc}. Usage: {LINE_USAGE}") from None
     pool = active_pool()
     match args.command:
         case "start":
-            return _start(shell, args, usage_error)
+            return _start(args)
         case "stop":
             set_auto(shell, False)
             if pool is None:
@@ -147,26 +141,16 @@ def _the_pool(pool: Pool | None) -> Pool:
     return pool
 
 
-def _start(shell, args, usage_error) -> None:
-    if args.np < 1:
-        raise usage_error(f"-np must be at least 1 (got {args.np}); e.g. %horovod start -np 2")
+def _start(args) -> None:
     if args.max_restarts:
-        raise usage_error(POOL_RESTARTS_REFUSED)
-    if args.spark and args.local:
-        raise usage_error("choose one of --spark and --local")
-    if args.min_np is not None and not 1 <= args.min_np <= args.np:
-        raise usage_error(f"--min-np {args.min_np}: an elastic pool needs 1 <= min-np <= np "
-                          f"(np is {args.np}); e.g. %horovod start -np 4 --min-np 2")
-    try:
-        env = parse_env(args.env)
-    except ValueError as exc:
-        raise usage_error(str(exc)) from None
+        raise HorovodUsageError(POOL_RESTARTS_REFUSED)
+    options = checked(args, HorovodUsageError, example="%horovod start -np 2")
     running = active_pool()
     if running is not None:
         raise PoolError(running.already_running())
     began = time.monotonic()
-    pool = start(args.np, spark=True if args.spark else (False if args.local else None),
-                 env=env, timeline=args.timeline, use_gpu=args.gpu, min_np=args.min_np)
+    pool = start(args.np, spark=options.spark, env=options.env, timeline=args.timeline,
+                 use_gpu=args.gpu, min_np=args.min_np)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
           f"({pool.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")
@@ -180,7 +164,7 @@ def status_table(infos: list[RankInfo]) -> str:
     """A plain table of the pool's ranks: rank, host, pid, state, memory, uptime."""
     rows = [("rank", "host", "pid", "state", "memory", "uptime")]
     for info in infos:
-        rows.append((str(info.rank), info.host or "?", str(info.pid or "?"), info.state,
+        rows.append((str(info.rank), info.host or "?", str(info.pid or "?"), info.state.value,
                      f"{info.rss_bytes / 2**20:.0f} MB" if info.rss_bytes else "-",
                      f"{info.uptime_s:.0f} s" if info.uptime_s is not None else "-"))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
@@ -188,10 +172,10 @@ def status_table(infos: list[RankInfo]) -> str:
                      for row in rows)
 
 
-def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str, usage_error):
+def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
     """`%%horovod` while a pool runs: the cell on its ranks, in their own namespaces."""
     if args.np is not None and args.np != pool.np:
-        raise usage_error(
+        raise HorovodUsageError(
             f"-np {args.np}, but a pool of {pool.np} ranks is running: drop -np to run the cell "
             f"on the pool (or write -np {pool.np}); for {args.np} ranks, %horovod stop the pool "
             f"first (its state is lost), then %horovod start -np {args.np}, or run one-shot cells")
@@ -199,14 +183,14 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str, usage_error)
                           ("--gpu", args.gpu), ("--timeline", args.timeline is not None),
                           ("--mlflow", args.mlflow is not None)):
         if given:
-            raise usage_error(f"{option} is chosen when the pool starts (%horovod start ... "
+            raise HorovodUsageError(f"{option} is chosen when the pool starts (%horovod start ... "
                               f"{option}), not per cell; %horovod restart keeps the pool's options")
     ranks = None
     if args.ranks is not None:
         try:
             ranks = sorted({int(rank) for rank in args.ranks.split(",") if rank.strip()})
         except ValueError:
-            raise usage_error(f"--ranks {args.ranks!r}: expected rank numbers, e.g. --ranks 0,1") from None
+            raise HorovodUsageError(f"--ranks {args.ranks!r}: expected rank numbers, e.g. --ranks 0,1") from None
     pool.check_usable()
     captured = capture_cell("\n" + transform_body(shell, cell), shell.user_ns, pool.rank_names,
                             filename=f"<%%horovod cell {pool.cells + 1}>")

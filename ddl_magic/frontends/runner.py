@@ -18,24 +18,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .options import make_display
+from .options import make_display, make_launcher
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, check_max_restarts
+from ..driver.job import Job, JobOptions
+from ..driver.run_options import check_options
 from ..driver.run_result import RunResult
-from ..launch import spark_session
-from ..launch.local import LocalLauncher
 from ..driver.tracking import check_setting
-
-
-def make_launcher(spark: bool | None):
-    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active)."""
-    if spark is None:
-        spark = spark_session() is not None
-    if not spark:
-        return LocalLauncher()
-    from ..launch.spark import SparkLauncher
-
-    return SparkLauncher()
 
 
 class HorovodRunner:
@@ -72,7 +60,7 @@ class HorovodRunner:
         if driver_log_verbosity not in ("all", "log_callback_only"):
             raise ValueError("driver_log_verbosity must be 'all' or 'log_callback_only'")
         check_setting(mlflow)
-        check_max_restarts(max_restarts, min_np is not None or max_np is not None)
+        check_options(abs(np), min_np=min_np, max_np=max_np, max_restarts=max_restarts)
         self.num_processor = np
         self._options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                                    hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,

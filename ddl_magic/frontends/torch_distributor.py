@@ -36,11 +36,11 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from .options import make_display
+from .options import make_display, make_launcher
 from ..driver.capture import capture_function
-from ..driver.job import Job, JobOptions, check_max_restarts
+from ..driver.job import Job, JobOptions
+from ..driver.run_options import OptionError, check_options
 from ..driver.run_result import RunResult
-from .runner import make_launcher
 from ..wire.tasks import ScriptTask
 
 
@@ -49,10 +49,13 @@ class TorchDistributor:
 
     def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True,
                  *, max_restarts: int = 0):
-        if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
+        try:
+            check_options(num_processes, max_restarts=max_restarts)
+        except OptionError as refused:
+            if refused.option != "np":
+                raise
             raise ValueError(f"TorchDistributor(num_processes={num_processes!r}): num_processes "
-                             "must be a positive integer")
-        check_max_restarts(max_restarts, elastic=False)
+                             "must be a positive integer") from None
         self.num_processes = num_processes
         self.max_restarts = max_restarts
         self.local_mode = bool(local_mode)

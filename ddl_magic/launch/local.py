@@ -130,19 +130,30 @@ def prewarm() -> None:
 
 
 class LocalLauncher:
-    """Starts `np` ranks as local processes and stops them all on request."""
+    """Starts `np` ranks as local processes and stops them all on request (the driver's
+    `Launcher` contract, `driver/launcher.py`)."""
 
     bind_host = "127.0.0.1"
     advertised_host = "127.0.0.1"
     where = elastic_where = "local processes"
     # The rank factory reads every rank's output and reports its exit after all of it.
     forwards_output = True
+    # A replacement is a fork, ready in a moment: an elastic run's world waits for it.
+    replacements_join_later = False
 
     def __init__(self):
         self._pids: list[int] = []
         self._exited: dict[int, threading.Event] = {}
         self._slot_pids: dict[int, int] = {}  # the process that now holds each rank's slot
         self._start_args: tuple | None = None
+
+    @staticmethod
+    def describe_lost(host: str, ranks: list[int]) -> str:
+        """Local ranks that vanished without an exit status: their connection is all we know."""
+        return "connection lost"
+
+    def renewed(self) -> LocalLauncher:
+        return LocalLauncher()
 
     def check(self, np: int) -> None:
         """Nothing to check up front: any number of local processes can start."""

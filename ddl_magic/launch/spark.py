@@ -73,7 +73,8 @@ TASK_RESULT_SCHEMA = ("rank long, host string, returncode long, output string, "
 
 
 class SparkLauncher:
-    """Starts `np` ranks as one barrier stage on a SparkSession and stops them on request.
+    """Starts `np` ranks as one barrier stage on a SparkSession and stops them on request
+    (the driver's `Launcher` contract, `driver/launcher.py`).
 
     >>> launcher = SparkLauncher()          # the active SparkSession, classic or Connect
     >>> Job(task, 4, launcher, JobOptions()).run()
@@ -111,6 +112,11 @@ class SparkLauncher:
         """Ranks of one host vanished, and no task reported their exit: what ran them is gone."""
         return (f"the Spark executor on {host} was lost, and {describe_ranks(ranks)} with it "
                 "(its process or its worker was killed, ran out of memory, or the host went down)")
+
+    def renewed(self) -> SparkLauncher:
+        """A launcher on the session active now (a pool restarted after `spark.stop()` and a
+        new session runs on the new one)."""
+        return SparkLauncher(data=self._data)
 
     def check(self, np: int) -> None:
         """Refuse at once a run with more ranks than task slots (its cores over

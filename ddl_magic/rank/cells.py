@@ -260,7 +260,8 @@ class _CellLoop:
         if name not in self.namespace or name.startswith("__"):
             close = difflib.get_close_matches(name, [n for n in self.namespace if not n.startswith("__")], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            return Pulled(pull_id, None, f"rank {self.rank} has no name {name!r}{hint}")
+            return Pulled(pull_id, None, f"rank {self.rank} has no name {name!r}{hint}",
+                          missing=True)
         value = self.namespace[name]
         try:
             return Pulled(pull_id, cloudpickle.dumps(value))

@@ -1,6 +1,6 @@
 """Every message that crosses a connection between the driver and the ranks, and between
 ranks as they negotiate: one frozen dataclass each, sent whole over an authenticated
-`protocol.Channel`; and those between the driver and its local rank factory, over the
+`channel.Channel`; and those between the driver and its local rank factory, over the
 factory's own pipes.
 
 Who sends what:
@@ -15,7 +15,7 @@ Who sends what:
     rank ──► rank 0      Announcement  (negotiation over TCP when the cache cannot answer,
     rank 0 ──► ranks     Decision       up and down a binomial tree: `runtime/lockstep.py`)
     driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
-    factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `launch/rank_factory.py`)
+    factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `rank/factory.py`)
     driver ──► pool rank FormRing, RunCell, CancelCell, Pull, Probe   (a pool, `rank/cells.py`:
     pool rank ──► driver CellEnded, Pulled, ProbeReply                 after Start, cell by cell)
 
@@ -290,11 +290,13 @@ class Pull:
 
 @dataclass(frozen=True, slots=True)
 class Pulled:
-    """`value` cloudpickled, or `error` saying why not (missing, cannot be pickled)."""
+    """`value` cloudpickled, or `error` saying why not: the rank has no such name
+    (`missing`), or its value cannot be pickled."""
 
     id: int
     value: bytes | None
     error: str = ""
+    missing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +335,7 @@ class Decision:
     timed_out: str | None = None
 
 
-# ---- the local rank factory (a pipe only the driver holds, `launch/rank_factory.py`) ----------
+# ---- the local rank factory (a pipe only the driver holds, `rank/factory.py`) ------------------
 
 
 @dataclass(frozen=True, slots=True)

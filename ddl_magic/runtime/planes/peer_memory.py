@@ -7,7 +7,7 @@ either kind, through this small interface:
 - `HostMemory`: the data buffers of the ranks' memfd segments, for CPU tensors;
 - `CudaIpcMemory`: a pair of buffers in each rank's GPU memory that the others map through
   CUDA IPC (as `torch.multiprocessing` shares CUDA tensors between processes), for CUDA
-  tensors: they are packed, reduced and copied on the GPU with the kernels in `kernels/`,
+  tensors: they are packed, reduced and copied on the GPU with the kernels in `kernels/` (`ddl_magic.kernels`),
   never staged through host memory or a socket.
 
 The counters that order the phases stay in the host segments either way. What differs is
