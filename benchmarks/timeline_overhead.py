@@ -157,10 +157,10 @@ def steady_training(steps: int, warmup: int) -> dict:
 class AlternatingLiveView:
     """The run's display: a real RunView, given the timeline batches only in "on" phases."""
 
-    def __init__(self, np: int, phase_s: float) -> None:
+    def __init__(self, records: list, phase_s: float) -> None:
         from ddl_magic.ui.run_view import RunView
 
-        self.view = RunView(np, "timeline_overhead", None)
+        self.view = RunView(records, "timeline_overhead", None)
         self.phase_s = phase_s
         self.started = time.monotonic()
         self.busy_s = 0.0  # time the driver spent in the live view (taking batches, drawing)
@@ -198,8 +198,8 @@ def measure_live_view(runs: int, steps: int, warmup: int, folder: Path) -> dict:
     for run in range(runs):
         displays: list[AlternatingLiveView] = []
 
-        def make_display(np, **_options):
-            displays.append(AlternatingLiveView(np, LIVE_VIEW_PHASE_S))
+        def make_display(records, **_options):
+            displays.append(AlternatingLiveView(records, LIVE_VIEW_PHASE_S))
             return displays[-1]
 
         ranks = run_ours_with(steady_training, NP, {"steps": steps, "warmup": warmup},

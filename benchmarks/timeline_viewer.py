@@ -15,8 +15,14 @@ under it, computed after.
 Targets (issue 14): 1M events <= 3 s, 10M events <= 20 s with peak RSS <= 2 GB, and a
 figure of at most 1 MB at any size.
 
-    python benchmarks/timeline_viewer.py                    # all sizes
+A **foreign** trace is one another tool wrote (issue 40: 1M events to figure <= 3 s, peak
+RSS <= 1 GB): a Chrome trace object of 1M complete events from 4 processes x 4 threads,
+with ``cat``, ``args`` of the profiler's kind and metadata events, written by ``json.dump``
+twice, on one line and pretty-printed (``indent=1``), each loaded once in a fresh process.
+
+    python benchmarks/timeline_viewer.py                    # all sizes, and the foreign traces
     python benchmarks/timeline_viewer.py 10000 1000000      # chosen sizes
+    python benchmarks/timeline_viewer.py --foreign          # the foreign traces only
 
 Prints a table and writes ``benchmarks/results/timeline_viewer.json``.
 """
@@ -43,7 +49,10 @@ from ddl_magic.ui.timeline_figure import build_figure
 
 SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
 JSON_UP_TO = 1_000_000  # larger traces are written in columns only
-TARGETS = {"1M_s": 3.0, "10M_s": 20.0, "10M_peak_rss_gb": 2.0, "figure_mb": 1.0}
+TARGETS = {"1M_s": 3.0, "10M_s": 20.0, "10M_peak_rss_gb": 2.0, "figure_mb": 1.0,
+           "foreign_1M_s": 3.0, "foreign_1M_peak_rss_gb": 1.0}
+FOREIGN_EVENTS = 1_000_000
+FOREIGN_LAYOUTS = {"one line": None, "pretty-printed": 1}  # json.dump's indent
 RANKS = 4
 # The lanes a fused hierarchical allreduce records (timeline/lanes.py), here one after the other.
 STEP_LANES = ("negotiate", "pack", "shared_memory", "scatter_reduce", "ring_step", "allgather", "unpack")
@@ -80,6 +89,53 @@ def write_synthetic_run(path: Path, event_count: int, *, chrome_json: bool, seed
                     batch = []
             trace.write(rank, batch)
     return path if chrome_json else columnar_path(path)
+
+
+def write_foreign_trace(path: Path, event_count: int, indent: int | None, seed: int = 0) -> Path:
+    """A profiler-like Chrome trace of ``event_count`` complete events, as ``json.dump`` writes it."""
+    rng = np.random.default_rng(seed)
+    threads = rng.integers(0, 16, size=event_count).tolist()
+    durations = rng.gamma(2.0, 10.0, size=event_count).round(3).tolist()
+    gaps = rng.exponential(3.0, size=event_count).round(3).tolist()
+    clocks = [1000.0] * 16
+    categories = ("kernel", "cpu_op", "python_function", "gpu_memcpy")
+    events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"worker {pid}"}}
+                          for pid in range(4)]
+    for i, (thread, duration, gap) in enumerate(zip(threads, durations, gaps)):
+        events.append({"ph": "X", "cat": categories[thread % 4], "name": f"aten::op_{i % 300}",
+                       "pid": thread // 4, "tid": thread % 4, "ts": round(clocks[thread], 3),
+                       "dur": duration, "args": {"External id": i, "Sequence number": i // 3}})
+        clocks[thread] += duration + gap
+    with open(path, "w") as file:
+        json.dump({"schemaVersion": 1, "traceEvents": events, "displayTimeUnit": "ms"}, file,
+                  indent=indent)
+    return path
+
+
+def measure_foreign(directory: Path) -> list[dict]:
+    """Each layout of the foreign trace, loaded once in a fresh process (its peak memory)."""
+    results = []
+    for layout, indent in FOREIGN_LAYOUTS.items():
+        path = write_foreign_trace(directory / "foreign.json", FOREIGN_EVENTS, indent)
+        child = subprocess.run([sys.executable, __file__, "--measure-one", str(path)],
+                               capture_output=True, text=True, check=True)
+        result = json.loads(child.stdout.strip().splitlines()[-1])
+        results.append({"layout": layout, "file_mb": path.stat().st_size / 1e6, **result})
+        path.unlink()
+    return results
+
+
+def print_foreign(results: list[dict]) -> None:
+    print(f"\nforeign Chrome trace, {FOREIGN_EVENTS:,} events, json.dump'd, fresh process:")
+    print(f"{'layout':>15} {'file MB':>8} {'load s':>7} {'build s':>8} {'total s':>8} {'peak GB':>8}")
+    for r in results:
+        print(f"{r['layout']:>15} {r['file_mb']:>8.0f} {r['columns_load_s']:>7.2f} "
+              f"{r['columns_build_s']:>8.2f} {r['columns_total_s']:>8.2f} {r['peak_rss_gb']:>8.2f}")
+    for r in results:
+        _verdict(f"foreign, {r['layout']}, path to figure", r["columns_total_s"],
+                 TARGETS["foreign_1M_s"], "s")
+        _verdict(f"foreign, {r['layout']}, peak memory", r["peak_rss_gb"],
+                 TARGETS["foreign_1M_peak_rss_gb"], "GB")
 
 
 def time_to_figure(path: Path) -> tuple[float, float, int, int, float]:
@@ -140,13 +196,20 @@ def _json_only(path: Path) -> Path:
     return alone
 
 
-def main(sizes: tuple[int, ...]) -> None:
-    results = []
+def main(sizes: tuple[int, ...], foreign: bool) -> None:
+    results, foreign_results = [], []
     with tempfile.TemporaryDirectory() as directory:
         for size in sizes:
             measure = measure_in_process if size <= JSON_UP_TO else measure_in_fresh_process
             results.append(measure(size, Path(directory)))
             print(f"measured {size:,} events", file=sys.stderr)
+        if foreign:
+            foreign_results = measure_foreign(Path(directory))
+    if foreign_results:
+        print_foreign(foreign_results)
+    if not results:
+        _write_results(results, foreign_results)
+        return
     print(f"{'events':>11} {'cols MB':>8} {'load s':>7} {'build s':>8} {'total s':>8} "
           f"{'JSON s':>7} {'speed-up':>9} {'summary s':>10} {'peak GB':>8} {'figure MB':>10}")
     for r in results:
@@ -163,13 +226,18 @@ def main(sizes: tuple[int, ...]) -> None:
             _verdict("10M events, path to figure", r["columns_total_s"], TARGETS["10M_s"], "s")
             _verdict("10M events, peak memory", r["peak_rss_gb"], TARGETS["10M_peak_rss_gb"], "GB")
     _verdict("largest figure", max(r["figure_mb"] for r in results), TARGETS["figure_mb"], "MB")
+    _write_results(results, foreign_results)
+
+
+def _write_results(results: list[dict], foreign_results: list[dict]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "timeline_viewer",
         "targets": TARGETS,
         "machine": {"python": platform.python_version(), "processor": platform.processor(),
-                    "system": platform.platform(), "cpus": os.cpu_count()},
-        "results": results,
+                    "system": platform.platform(), "cpus": os.cpu_count(),
+                    "load_average": os.getloadavg()[0]},
+        "results": results, "foreign": foreign_results,
     }, indent=2))
     print(f"wrote {RESULTS}")
 
@@ -187,4 +255,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--measure-one"]:
         _measure_one(sys.argv[2])
     else:
-        main(tuple(int(arg) for arg in sys.argv[1:]) or SIZES)
+        chosen = tuple(int(arg) for arg in sys.argv[1:] if arg != "--foreign")
+        only_foreign = sys.argv[1:] == ["--foreign"]
+        main(() if only_foreign else chosen or SIZES, foreign=only_foreign or not chosen)

@@ -14,7 +14,7 @@ value); plain torch.distributed code (DDP, FSDP) runs the same way, or through p
 
 import importlib
 
-__all__ = ["HorovodRunner", "Pool", "RankFailedError", "RunResult", "TorchDistributor",
+__all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "Pool", "RankFailedError", "RunResult", "TorchDistributor",
            "active_pool", "distributed", "last_run", "load_ipython_extension", "show_timeline",
            "start"]
 
@@ -23,6 +23,7 @@ __all__ = ["HorovodRunner", "Pool", "RankFailedError", "RunResult", "TorchDistri
 _DRIVER_API = {"HorovodRunner": ".frontends.runner", "RankFailedError": ".driver.run_result",
                "RunResult": ".driver.run_result", "last_run": ".driver.job",
                "TorchDistributor": ".frontends.torch_distributor",
+               "DeepspeedTorchDistributor": ".frontends.deepspeed_distributor",
                "distributed": ".frontends.decorator",
                "Pool": ".driver.pool", "active_pool": ".driver.pool",
                "start": ".frontends.pool_magic"}

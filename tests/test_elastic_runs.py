@@ -269,6 +269,7 @@ def test_both_displays_show_a_reset_as_a_line():
     import io
 
     from ddl_magic.driver.events import WorldReset
+    from ddl_magic.driver.records import new_records
     from ddl_magic.driver.text_display import TextDisplay
     from ddl_magic.ui import RunView
 
@@ -277,9 +278,9 @@ def test_both_displays_show_a_reset_as_a_line():
             "ranks, resumed from commit 6")
     assert reset.describe() == line
     printed = io.StringIO()
-    TextDisplay(4, stream=printed, error_stream=printed).handle(reset)
+    TextDisplay(new_records(4), stream=printed, error_stream=printed).handle(reset)
     assert printed.getvalue() == f"==== elastic {line} ====\n"
-    view = RunView(4, "%%horovod -np 4 --min-np 2", log_dir="/tmp/ddl_magic/run-7")
+    view = RunView(new_records(4), "%%horovod -np 4 --min-np 2", log_dir="/tmp/ddl_magic/run-7")
     view.handle(reset)
     view.refresh()
     assert view.state()["all_ranks"]["lines"] == [f"[elastic] {line}"]

@@ -272,3 +272,19 @@ bucket_allreduces = ddl_events[(ddl_events["lane"] == "shared_memory")
     assert 'dist.init_process_group(backend)' in code and "DistributedDataParallel(" in code
     assert "import ddl_magic.torch" not in code and "hvd." not in code  # plain torch.distributed
     assert "from ddl_magic import TorchDistributor" in code
+
+
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+def test_06_a_model_too_big_for_one_rank_measures_what_the_accounting_says():
+    notebook, report = run_notebook("06_a_model_too_big_for_one_rank.ipynb", """
+{"table": table.to_dict(orient="records"), "plain": plain, "checkpointed": checkpointed,
+ "saved": saved, "resumed": resumed, "capped": capped}
+""")
+    for row in report["table"]:  # to the rows an uneven shard adds, the paper's sums
+        assert abs(row["measured MB"] - row["accounting MB"]) <= 0.01 * row["accounting MB"], row
+    by_strategy = {row["strategy"]: row["measured MB"] for row in report["table"]}
+    assert by_strategy["fsdp2"] < by_strategy["hsdp"] < by_strategy["zero1"] < by_strategy["ddp"]
+    assert report["plain"] > 3 * report["checkpointed"]
+    assert report["resumed"] == report["saved"] and len(report["saved"]) == 16
+    assert len(report["capped"]) == 4 and max(report["capped"]) < 300 << 20
+    assert "resumed on 2 ranks with the weights saved by 4: True" in printed_text(notebook)

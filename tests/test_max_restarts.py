@@ -12,8 +12,10 @@ import torch
 
 from ddl_magic import HorovodRunner, TorchDistributor, distributed
 from ddl_magic.driver.events import FailureKind, GroupRestarted, RankFailed
+from ddl_magic.driver.records import new_records
 from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.driver.text_display import TextDisplay
+from displays import fed
 from ddl_magic.frontends.pool_magic import run_line
 from trace_files import chrome_events
 
@@ -163,7 +165,7 @@ RESTART = GroupRestarted(1, 3, 1, "node-b", "killed by SIGKILL", -9, 0.0)
 
 def test_the_text_display_prints_each_restart_and_the_new_groups_failure_in_full():
     shown = StringIO()
-    display = TextDisplay(2, shown, error_stream=shown)
+    display = fed(lambda records: TextDisplay(records, shown, error_stream=shown), 2)
     display.handle(RankFailed(1, "node-b", FailureKind.DIED, "", "killed by SIGKILL", -9))
     display.handle(RESTART)
     display.handle(RankFailed(0, "node-a", FailureKind.RAISED, "Traceback: boom", "exception"))
@@ -175,7 +177,7 @@ def test_the_text_display_prints_each_restart_and_the_new_groups_failure_in_full
 def test_the_run_view_shows_each_restart_in_all_ranks():
     from ddl_magic.ui import RunView
 
-    view = RunView(2, "%%horovod -np 2 --max-restarts 3", "/tmp/ddl_magic/run-7")
+    view = RunView(new_records(2), "%%horovod -np 2 --max-restarts 3", "/tmp/ddl_magic/run-7")
     view.handle(RESTART)
     view.refresh()
     all_ranks = view.widget.children[3].children[0].value

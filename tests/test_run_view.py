@@ -12,6 +12,7 @@ import pytest
 from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.ui import RunView
 from ddl_magic.ui.run_view import FAILED_ROW_BACKGROUND
+from displays import fed
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "<cell>", line 3\nRuntimeError: loss is NaN <1>\n'
 
@@ -22,7 +23,7 @@ def out(rank, text, stream="stdout", replace=False):
 
 def make_view(np=2, **kwargs):
     kwargs.setdefault("log_dir", "/tmp/ddl_magic/run-7")
-    return RunView(np, "%%horovod -np 2", **kwargs)
+    return fed(lambda records: RunView(records, "%%horovod -np 2", **kwargs), np, kwargs["log_dir"])
 
 
 def tab_text(view, index):
@@ -263,7 +264,8 @@ def test_the_lanes_are_drawn_once_more_when_the_run_ends():
 
 def test_sixteen_ranks_and_many_lines_stay_bounded():
     np, lines_per_rank, max_lines = 16, 10_000, 500
-    view = RunView(np, "%%horovod -np 16", "/tmp/ddl_magic/run-9", max_lines=max_lines)
+    view = fed(lambda records: RunView(records, "%%horovod -np 16", "/tmp/ddl_magic/run-9",
+                                       max_lines=max_lines), np, "/tmp/ddl_magic/run-9")
     started = time.perf_counter()
     for i in range(lines_per_rank):
         for rank in range(np):
@@ -382,3 +384,45 @@ def test_the_report_for_frontends_without_widgets_is_the_final_table_and_the_out
     assert "rank 1 on node-a failed: exception\nTraceback (most recent call last)" in text
     html_report = view.report_html()
     assert "failed after" in html_report and "hello from 1" in html_report and "&lt;1&gt;" in html_report
+
+
+def test_a_run_over_before_widget_after_s_shows_its_report_and_makes_no_widget(monkeypatch):
+    # A pool's cells: most end in milliseconds, and widgets cost more than the cell itself.
+    shown = []
+    monkeypatch.setattr("IPython.display.display",
+                        lambda bundle, **kwargs: shown.append(bundle) or _Handle(shown))
+    view = make_view(widget_after_s=60.0)
+    view.display()
+    view.handle(RankStarted(0, "node-a", 11))
+    view.handle(out(0, "hello"))
+    view.refresh()
+    assert shown == []  # nothing yet: the report comes when the run ends
+    view.finish("done")
+    assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" not in shown[0]
+    assert "[0] hello" in shown[0]["text/plain"] and "done in" in shown[0]["text/html"]
+
+
+def test_a_run_that_outlasts_widget_after_s_gets_the_full_view(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display",
+                        lambda bundle, **kwargs: shown.append(bundle) or _Handle(shown))
+    view = make_view(widget_after_s=0.0)
+    view.display()
+    view.handle(out(1, "still going"))
+    view.refresh()
+    assert "application/vnd.jupyter.widget-view+json" in shown[0]
+    assert "still going" in tab_text(view, 2)
+    view.finish("done")
+    assert "[1] still going" in shown[-1]["text/plain"]
+    assert shown[-1]["application/vnd.jupyter.widget-view+json"] == shown[0][
+        "application/vnd.jupyter.widget-view+json"]
+
+
+class _Handle:
+    """What `display(..., display_id=True)` returns: `update` replaces the output."""
+
+    def __init__(self, shown):
+        self.shown = shown
+
+    def update(self, bundle, **kwargs):
+        self.shown.append(bundle)

@@ -8,8 +8,10 @@ import io
 import pytest
 
 from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
+from ddl_magic.driver.records import new_records
 from ddl_magic.driver.text_display import TextDisplay
 from ddl_magic.frontends.options import make_display
+from displays import fed
 from ddl_magic.ui.run_view import RunView
 from ddl_magic.driver.text_display import TIMELINE_SUMMARY_INTERVAL_S
 
@@ -40,7 +42,8 @@ def clock():
 
 def make_text_display(streams, clock, np=2, **kwargs):
     stdout, stderr = streams
-    return TextDisplay(np, stdout, error_stream=stderr, clock=clock, **kwargs)
+    return fed(lambda records: TextDisplay(records, stdout, error_stream=stderr, clock=clock,
+                                           **kwargs), np, kwargs.get("log_dir"))
 
 
 def test_lines_are_prefixed_with_their_rank_and_go_to_their_stream(streams, clock):
@@ -145,7 +148,7 @@ def test_quiet_prints_only_failures_and_the_closing_line(streams, clock):
 
 
 def test_defaults_to_the_current_sys_streams(capsys):
-    display = TextDisplay(1)
+    display = fed(TextDisplay, 1)
     display.handle(out(0, "to stdout"))
     display.handle(out(0, "to stderr", stream="stderr"))
     captured = capsys.readouterr()
@@ -159,19 +162,19 @@ class FakeKernelShell:
 
 def test_make_display_gives_text_outside_a_kernel(monkeypatch):
     monkeypatch.delenv("DDL_MAGIC_DISPLAY", raising=False)
-    assert isinstance(make_display(2), TextDisplay)
+    assert isinstance(make_display(new_records(2)), TextDisplay)
 
 
 def test_make_display_gives_the_run_view_in_a_kernel_unless_text_is_asked_for(monkeypatch):
     monkeypatch.setattr("IPython.get_ipython", lambda: FakeKernelShell())
     monkeypatch.delenv("DDL_MAGIC_DISPLAY", raising=False)
-    assert isinstance(make_display(2), RunView)
-    assert isinstance(make_display(2, quiet=True), TextDisplay)
+    assert isinstance(make_display(new_records(2)), RunView)
+    assert isinstance(make_display(new_records(2), quiet=True), TextDisplay)
     monkeypatch.setenv("DDL_MAGIC_DISPLAY", "text")
-    assert isinstance(make_display(2), TextDisplay)
+    assert isinstance(make_display(new_records(2)), TextDisplay)
     monkeypatch.setenv("DDL_MAGIC_DISPLAY", "fancy")
     with pytest.raises(ValueError, match="DDL_MAGIC_DISPLAY='fancy'"):
-        make_display(2)
+        make_display(new_records(2))
 
 
 def test_a_timeline_run_prints_a_running_summary_every_few_seconds_and_at_the_end(streams, clock):

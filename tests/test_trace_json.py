@@ -83,3 +83,28 @@ def test_events_spread_over_several_lines_are_read_one_by_one(tmp_path: Path) ->
     pretty.write_text(json.dumps(document, indent=2))  # "tensors": [ ... ] on lines of their own
     events, reader = read(pretty, 512)
     assert events == document["traceEvents"] and not reader.truncated
+
+
+def test_a_trace_on_one_line_is_read_in_batches_with_lists_of_objects_inside_events(
+        tmp_path: Path) -> None:
+    # Another tool's layout: the whole trace on one line. Some events hold a list of
+    # objects ("}, {" inside an event), where a batch cut there cannot parse: that stretch
+    # is decoded event by event, and nothing is lost or made up.
+    events = [{"ph": "X", "name": f"op{i}", "pid": i % 3, "tid": 1, "ts": i, "dur": 1,
+               "args": {"inputs": [{"shape": [i]}, {"shape": [2]}]} if i % 3 == 0 else {}}
+              for i in range(2000)]
+    path = tmp_path / "one_line.json"
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    for chunk_bytes in (1000, 1 << 24):
+        read_events, reader = read(path, chunk_bytes)
+        assert read_events == events and not reader.truncated
+
+
+def test_without_orjson_the_standard_library_parses_the_batches(tmp_path: Path, monkeypatch) -> None:
+    from ddl_magic.timeline import json_reader
+
+    monkeypatch.setattr(json_reader, "_orjson_loads", json.loads)
+    monkeypatch.setattr(json_reader, "_OrjsonError", json.JSONDecodeError)
+    path = our_trace(tmp_path / "t.json")
+    events, reader = read(path, 4096)
+    assert events == json.loads(path.read_text(encoding="utf-8"))["traceEvents"]

@@ -48,6 +48,7 @@ class TwoHostCluster:
     master_url: str = ""
     driver_address: str = ""
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ddl-cluster-")))
+    cores_per_host: int = CORES_PER_HOST  # the task slots each worker offers
 
     @property
     def bridge(self) -> str:
@@ -111,7 +112,7 @@ class TwoHostCluster:
         log = self.directory / f"worker-{host.name}.log"
         command = (f"hostname {host.name} && exec {_spark_class()} "
                    f"org.apache.spark.deploy.worker.Worker --host {host.address} "
-                   f"--cores {CORES_PER_HOST} --memory 2g --webui-port 0 "
+                   f"--cores {self.cores_per_host} --memory 2g --webui-port 0 "
                    f"--work-dir {self.directory / host.name} {self.master_url}")
         host.worker = subprocess.Popen(
             ["ip", "netns", "exec", host.namespace, "unshare", "--uts", "sh", "-c", command],

@@ -50,6 +50,7 @@ class RankFacts:
     host: str
     exit_code: int | None  # as its process ended, where known
     done: bool  # it reported its result
+    out_of_memory: str = ""  # why, where the OOM killer killed it (the launcher's word)
 
 
 @dataclass
@@ -88,7 +89,7 @@ def attribute(failures: list[RankFailed], ranks: list[RankFacts], aborted_at_ns:
             # (a timeout is never our doing: a rank we stop closes its connection)
             if rank.exit_code is not None and rank.exit_code != ABORTED_EXIT_CODE:
                 failure = dataclasses.replace(failure, kind=FailureKind.DIED,
-                                              reason=describe_exit(rank.exit_code),
+                                              reason=rank.out_of_memory or describe_exit(rank.exit_code),
                                               exit_code=rank.exit_code)
             elif rank.exit_code == ABORTED_EXIT_CODE or (
                     failure.kind is FailureKind.VANISHED and ended_after_abort(failure)

@@ -128,7 +128,8 @@ class Elastic:
                 self._host_failures[self._slot_host(event.rank)] += 1
             elif self._round is not None and event.rank in self._vanished:
                 # a lost process's exit status says more than its closed connection
-                self._round.tell_better(event.rank, describe_exit(event.returncode))
+                self._round.tell_better(event.rank, event.out_of_memory
+                                        or describe_exit(event.returncode))
             self._exit_pending.discard(event.rank)
             self._vanished.discard(event.rank)
         return False
@@ -272,7 +273,8 @@ class Elastic:
         exit_code = self.record.ranks[slot].exit_code
         if failure.kind is FailureKind.VANISHED and exit_code is None:
             self._vanished.add(slot)
-        self._round.lose(slot, _why_lost(failure, exit_code))
+        self._round.lose(slot, _why_lost(failure, exit_code,
+                                         self.record.ranks[slot].out_of_memory))
         if failure.kind in (FailureKind.STOPPED, FailureKind.UNREACHABLE):
             # Its process may live on: the survivors' collectives end when it is gone.
             self._launcher.kill(slot)
@@ -314,11 +316,11 @@ class Elastic:
         raise ElasticRunError(why)
 
 
-def _why_lost(failure: RankFailed, exit_code: int | None) -> str:
-    """The reason a reset shows for a lost rank: its exit status where its connection closed
-    first, the exception's last line where it raised."""
+def _why_lost(failure: RankFailed, exit_code: int | None, out_of_memory: str) -> str:
+    """The reason a reset shows for a lost rank: its exit status (or the OOM killer's doing)
+    where its connection closed first, the exception's last line where it raised."""
     if failure.kind is FailureKind.VANISHED and exit_code is not None:
-        return describe_exit(exit_code)
+        return out_of_memory or describe_exit(exit_code)
     last_line = next((line for line in reversed(failure.traceback.splitlines()) if line.strip()),
                      "")
     if failure.kind is FailureKind.RAISED and last_line:

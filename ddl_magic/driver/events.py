@@ -82,6 +82,7 @@ class ProcessExited:
     returncode: int | None
     output: str = ""
     host: str = ""
+    out_of_memory: str = ""  # why, with its peak memory, where the OOM killer killed it
 
 
 @dataclass(frozen=True)

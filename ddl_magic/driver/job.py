@@ -74,7 +74,8 @@ class Job:
         if timeline_path is None:
             timeline_path = os.environ.get("HOROVOD_TIMELINE") or None
         setup = prepare_run(self.np, launcher, env=options.env, use_gpu=options.use_gpu,
-                            timeline_path=timeline_path, bounds=bounds)
+                            timeline_path=timeline_path, bounds=bounds,
+                            memory_per_rank=options.memory_per_rank)
         self._secret = setup.secret
         record = RunResult(setup.run_id, self.np, launcher.where if bounds is None
                            else launcher.elastic_where, log_dir=setup.log_dir,

@@ -32,6 +32,9 @@ class Launcher(Protocol):
     # An elastic run's replacement may wait for room (a Spark slot): the world forms without
     # it, and it joins at the ranks' next commit.
     replacements_join_later: bool
+    # Each rank can run in a memory cgroup of its own (`--memory-per-rank`): local ranks,
+    # not a Spark task's, which has its executor's memory.
+    caps_memory: bool
 
     def describe_lost(self, host: str, ranks: list[int]) -> str:
         """Why `ranks` of `host` vanished together, where the launcher can tell."""

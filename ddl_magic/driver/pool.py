@@ -135,7 +135,8 @@ class Pool:
 
     def __init__(self, np: int, launcher: Launcher, *, env: dict[str, str] | None = None,
                  timeline_path: str | None = None, use_gpu: bool = False,
-                 display: DisplayFactory = text_display, min_np: int | None = None):
+                 display: DisplayFactory = text_display, min_np: int | None = None,
+                 memory_per_rank: str | None = None):
         self._bounds = check_options(np, min_np=min_np)
         self.np = np
         self.min_np = min_np  # elastic: lost ranks are replaced while min_np are left
@@ -146,6 +147,7 @@ class Pool:
         self.timeline_path = timeline_path  # where this start's cells record theirs
         self._timeline_asked = timeline_path  # "": in the pool's folder, wherever that is
         self.use_gpu = use_gpu
+        self.memory_per_rank = memory_per_rank
         self.display = display
         self.state = PoolState.STOPPED
         self.broken_reason = ""
@@ -201,7 +203,8 @@ class Pool:
         self._setup = setup = prepare_run(self.np, self.launcher, env=self.env,
                                           use_gpu=self.use_gpu,
                                           timeline_path=self._timeline_asked,
-                                          bounds=self._bounds, pool=True)
+                                          bounds=self._bounds,
+                                          memory_per_rank=self.memory_per_rank, pool=True)
         self.where = self.launcher.elastic_where if self.min_np else self.launcher.where
         self.pool_id, self.log_dir, self.timeline_path = (setup.run_id, setup.log_dir,
                                                           setup.timeline_path)

@@ -76,10 +76,11 @@ class PoolRanks:
                 pass  # the lost process's end, reported before its replacement's start
             case ProcessExited(rank, returncode, output):
                 self.liveness.forget(rank)
-                self._ended[rank] = describe_exit(returncode)
+                how = event.out_of_memory or describe_exit(returncode)
+                self._ended[rank] = how
                 if output and not self._said[rank]:
                     self._said[rank].extend(output.splitlines())
-                self.note_lost(rank, describe_exit(returncode), exited=True)
+                self.note_lost(rank, how, exited=True)
             case RankFailed(rank, _, kind, _, reason):
                 self._failed[rank] = reason
                 if kind in LOST:

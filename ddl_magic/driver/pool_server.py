@@ -229,7 +229,8 @@ class CellEvents:
                 else:
                     self._held[rank] = (event, time.monotonic() + LAST_WORDS_TIMEOUT_S)
             case ProcessExited(rank, returncode):
-                self._pool.note_lost(rank, describe_exit(returncode), exited=True)
+                self._pool.note_lost(rank, event.out_of_memory or describe_exit(returncode),
+                                     exited=True)
                 self._ready.append(event)
                 self._exited.add(rank)
                 held = self._held.pop(rank, None)

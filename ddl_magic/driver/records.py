@@ -51,6 +51,7 @@ class RankRecord:
     started_at: float | None = None
     ended_at: float | None = None
     exit_code: int | None = None
+    out_of_memory: str = ""  # why, where the OOM killer killed it (the launcher's word)
     log_path: str = ""
 
     @property
@@ -82,6 +83,7 @@ class RankRecord:
         log goes on."""
         self.host, self.pid, self.status, self.reason = "", None, RankStatus.STARTING, ""
         self.failure, self.started_at, self.ended_at, self.exit_code = None, None, None, None
+        self.out_of_memory = ""
 
     def apply(self, event: Event) -> None:
         """Take in what `event` says about this rank."""

@@ -50,6 +50,9 @@ class JobOptions:
     # stops the whole group, which starts again (at most this many times) with
     # TORCHELASTIC_RESTART_COUNT set, for code that resumes from its own checkpoint.
     max_restarts: int = 0
+    # Each local rank in a memory cgroup capped at this size ('2GiB'): a rank over it is
+    # killed by the OOM killer and named so, as on a machine that small (`rank/memory_cap.py`).
+    memory_per_rank: str | None = None
 
     @property
     def elastic(self) -> bool:

@@ -38,9 +38,19 @@ class RunResult(Protocol):
     @property
     def duration_s(self) -> float: ...
 
-STATUS_COLOURS = {"running": "#1e88e5", "done": "#43a047", "failed": "#e53935",
-                  "interrupted": "#fb8c00", "timed out": "#fb8c00", "starting": "#9e9e9e",
-                  "stopped": "#757575"}
+STATUS_COLOURS: dict[RankStatus | RunStatus, str] = {
+    RankStatus.STARTING: "#9e9e9e",
+    RankStatus.RUNNING: "#1e88e5",
+    RankStatus.DONE: "#43a047",
+    RankStatus.FAILED: "#e53935",
+    RankStatus.STOPPED: "#757575",  # the run ended (interrupted, or a rank failed) before this rank did
+    RunStatus.INTERRUPTED: "#fb8c00",
+    RunStatus.TIMED_OUT: "#fb8c00",
+}
+"""The colour of a status, a rank's or a run's, in every display (the run view, `last_run()`).
+The two enums are strs that share the values they have in common ("running", "done",
+"failed"), so a run's status finds the same colour as a rank's of that name."""
+FAILED_ROW_BACKGROUND = "#ffebee"
 
 
 def exit_status(code: int | None) -> str:
@@ -98,11 +108,11 @@ def run_report_html(run: RunResult) -> str:
 
 
 def _rank_row(run: RunResult, rank: RankRecord) -> str:
-    colour = STATUS_COLOURS.get(rank.status.value, "#757575")
+    colour = STATUS_COLOURS[rank.status]
     started = "—" if rank.started_at is None else f"{rank.started_at - run.started_at:.2f}"
     ran = "—" if rank.duration_s is None else f"{rank.duration_s:.2f}"
     cells = [str(rank.rank), f'<span style="color:{colour}">{rank.status.value}</span>',
              html.escape(rank.host or "—"), "—" if rank.pid is None else str(rank.pid),
              html.escape(exit_status(rank.exit_code)), started, ran, html.escape(rank.reason)]
-    background = ' style="background:#ffebee"' if rank.status is RankStatus.FAILED else ""
+    background = f' style="background:{FAILED_ROW_BACKGROUND}"' if rank.status is RankStatus.FAILED else ""
     return f"<tr{background}>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from .elastic_plan import ElasticBounds
 from .launcher import Launcher
 from .run_folders import RunFolder, new_run_folder, new_run_id
+from ..rank.memory_cap import capped_environment
 from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 
@@ -43,7 +44,7 @@ class RunSetup:
 
 def prepare_run(np: int, launcher: Launcher, *, env: dict[str, str], use_gpu: bool,
                 timeline_path: str | None, bounds: ElasticBounds | None = None,
-                pool: bool = False) -> RunSetup:
+                memory_per_rank: str | None = None, pool: bool = False) -> RunSetup:
     """Check what can be checked before anything exists (a refused run leaves no trace),
     then name the run and make its folder. `timeline_path=""`: a timeline kept with the
     run's logs (a pool's cells each add '-cell-N.json' to its path)."""
@@ -51,6 +52,8 @@ def prepare_run(np: int, launcher: Launcher, *, env: dict[str, str], use_gpu: bo
     if bounds is not None:  # a launcher that cannot replace ranks refuses the run
         launcher.check_elastic(np, bounds.max_np)
     env = ranks_environment(env, use_gpu)
+    if memory_per_rank is not None:
+        env.update(capped_environment(memory_per_rank, on_spark=not launcher.caps_memory))
     if use_gpu:
         launcher.check_gpus(np)
     run_id = new_run_id(pool)

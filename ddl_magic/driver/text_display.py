@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from .events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
-from .records import RankRecord, new_records
+from .records import RankRecord
 from .run_status import SHOWN_ENDS, RunStatus
 from .tracebacks import without_machinery_frames
 
@@ -37,22 +37,22 @@ TIMELINE_SUMMARY_INTERVAL_S = 5.0
 class TextDisplay:
     """Prints a run's events as rank-prefixed text; same API as ``RunView``.
 
-    ``ranks`` is the run's list of `RankRecord`, which the driver keeps up to date, or a
-    number of ranks for a display that keeps its own records from the events it is given.
+    ``ranks`` is the run's list of `RankRecord`, which the driver keeps up to date (it applies
+    each event to its rank's record before handing it on).
     ``stream`` and ``error_stream`` default to ``sys.stdout`` and ``sys.stderr`` as they are
     when something is printed (so redirections made after construction apply). With
     ``quiet``, rank output is not printed; failures and the final line still are.
 
     Example::
 
-        display = TextDisplay(2, log_dir="/tmp/ddl_magic/run-1")
+        display = TextDisplay(new_records(2), log_dir="/tmp/ddl_magic/run-1")
         display.handle(RankOutput(rank=0, stream="stdout", text="hello"))  # prints "[0] hello"
         display.finish(RunStatus.DONE)
     """
 
     def __init__(
         self,
-        ranks: int | list[RankRecord],
+        ranks: list[RankRecord],
         stream: TextIO | None = None,
         log_dir: str | None = None,
         *,
@@ -60,11 +60,10 @@ class TextDisplay:
         quiet: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        np = ranks if isinstance(ranks, int) else len(ranks)
+        np = len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
-        self._keeps_records = isinstance(ranks, int)
-        self._records = new_records(np, log_dir) if self._keeps_records else ranks
+        self._records = ranks
         self.np = np
         self.log_dir = log_dir
         self.quiet = quiet
@@ -97,8 +96,6 @@ class TextDisplay:
             self._flush()
             return
         self._check_rank(event.rank)
-        if self._keeps_records:
-            self._records[event.rank].apply(event)
         if isinstance(event, TimelineBatch):
             if self.quiet:
                 return  # its summary would not be printed

@@ -222,6 +222,7 @@ class RunWatcher:
             self._liveness.forget(event.rank)
             rank = record.ranks[event.rank]
             rank.record_exit(event.returncode)
+            rank.out_of_memory = event.out_of_memory
             if event.output:
                 self._logs[event.rank].write(event.output)
             # A running rank's end is reported by its control connection, in order after its
@@ -322,7 +323,7 @@ class RunWatcher:
 
     def facts(self) -> list[RankFacts]:
         """What attribution reads of each rank."""
-        return [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE)
+        return [RankFacts(r.host, r.exit_code, r.status is RankStatus.DONE, r.out_of_memory)
                 for r in self.record.ranks]
 
     def log(self, slot: int, line: str) -> None:

@@ -24,8 +24,8 @@ import os
 import signal
 import sys
 
-from .options import (ENV, MAX_NP, MAX_RESTARTS, MIN_NP, NP, TIMELINE, TIMEOUT, checked,
-                      make_display)
+from .options import (ENV, MAX_NP, MAX_RESTARTS, MEMORY_PER_RANK, MIN_NP, NP, TIMELINE, TIMEOUT,
+                      checked, make_display)
 from ..driver.elastic import ElasticRunError
 from ..driver.job import Job, JobOptions
 from ..driver.run_result import RankFailedError, RunTimeoutError, restarts_made
@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="examples: ddlrun -np 2 python train.py --epochs 3; "
                "ddlrun -np 2 python -m package.train --epochs 3; "
                "ddlrun -np 2 python -c 'import torch; ...'")
-    for option in (NP.but(required=True), MIN_NP, MAX_NP, MAX_RESTARTS, TIMEOUT, ENV):
+    for option in (NP.but(required=True), MIN_NP, MAX_NP, MAX_RESTARTS, TIMEOUT, ENV,
+                   MEMORY_PER_RANK):
         option.add_to(parser)
     # A path is needed here (a bare --timeline would take the command for it).
     TIMELINE.but(nargs=None, const=None, default=os.environ.get("HOROVOD_TIMELINE"),
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     job_options = JobOptions(display=make_display, timeout_s=args.timeout,
                              timeline_path=args.timeline, env=options.env,
                              title=" ".join(args.command), min_np=args.min_np,
-                             max_np=args.max_np, max_restarts=args.max_restarts)
+                             max_np=args.max_np, max_restarts=args.max_restarts,
+                             memory_per_rank=args.memory_per_rank)
     try:
         Job(task, args.np, LocalLauncher(), job_options).run()
     except RankFailedError as exc:

@@ -98,7 +98,7 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
                 remote: bool = False, gpu_type: str | None = None, timeout: float | None = None,
                 env: dict[str, str] | None = None,
                 timeline: str | None = None,
-                max_restarts: int = 0) -> Callable[[Callable[..., Any]], DistributedFunction]:
+                max_restarts: int = 0, memory_per_rank: str | None = None) -> Callable[[Callable[..., Any]], DistributedFunction]:
     """Decorate a function so that `f.distributed(*args, **kwargs)` runs it on N ranks and
     returns every rank's return value, in rank order.
 
@@ -117,6 +117,7 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
     - `max_restarts=K` (torchrun's `--max-restarts`): when a rank fails, every rank is stopped
       and the whole group starts again, at most K times, `TORCHELASTIC_RESTART_COUNT` set on
       each rank for code that resumes from its own checkpoint.
+    - `memory_per_rank='2GiB'` caps each local rank's memory, as `%%horovod --memory-per-rank`.
     - `gpu_type` (Databricks' choice of serverless GPU) is refused: the ranks run on the GPUs
       of this machine or of the Spark executors.
     """
@@ -153,6 +154,7 @@ def distributed(function: Callable[..., Any] | None = None, /, *, np: int | None
                             f"{type(function).__name__}")
         options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                              use_gpu=use_gpu, return_all=True, max_restarts=max_restarts,
+                             memory_per_rank=memory_per_rank,
                              title=f"{described_as}: {getattr(function, '__name__', 'function')}")
         return DistributedFunction(function, count, use_gpu, bool(remote), options,
                                    described_as)

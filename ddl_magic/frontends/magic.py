@@ -131,7 +131,8 @@ class HorovodMagics(Magics):
                                  timeline_path=args.timeline, use_gpu=args.gpu,
                                  title=f"%%horovod {line.strip()}", mlflow=args.mlflow,
                                  min_np=args.min_np, max_np=args.max_np,
-                                 max_restarts=args.max_restarts)
+                                 max_restarts=args.max_restarts,
+                                 memory_per_rank=args.memory_per_rank)
         try:
             run = Job(captured.payload, args.np, make_launcher(options.spark), job_options).run()
         except KeyboardInterrupt:

@@ -100,6 +100,11 @@ TIMEOUT = Option(("--timeout",), dict(type=float, metavar="SECONDS",
                                       help="stop all ranks if the run takes longer than this"))
 ENV = Option(("--env",), dict(action="append", default=[], metavar="KEY=VALUE",
                               help="set an environment variable on every rank (repeatable)"))
+MEMORY_PER_RANK = Option(("--memory-per-rank",), dict(
+    dest="memory_per_rank", metavar="SIZE",
+    help="cap each local rank's memory (e.g. 2GiB): a rank that goes over it is killed by the "
+         "OOM killer and named so, as on a machine that small (a memory cgroup per rank: Linux "
+         "with cgroup v1, as root)"))
 GPU = Option(("--gpu",), dict(action="store_true",
                               help="each rank pins the GPU of its local_rank; an error if there "
                                    "are too few GPUs"))
@@ -109,7 +114,7 @@ MLFLOW = Option(("--mlflow",), dict(
          "tracked anyway while the notebook has an active MLflow run, unless "
          "DDL_MAGIC_MLFLOW=off"))
 
-LAUNCH_OPTIONS = (NP, MIN_NP, SPARK, LOCAL, TIMELINE, ENV, GPU)
+LAUNCH_OPTIONS = (NP, MIN_NP, SPARK, LOCAL, TIMELINE, ENV, MEMORY_PER_RANK, GPU)
 """Where and how the ranks start: `%%horovod` and `%horovod start`."""
 RUN_OPTIONS = (MAX_NP, MAX_RESTARTS, TIMEOUT, MLFLOW)
 """What one run may do: `%%horovod` (`ddlrun` takes those that make sense in a terminal)."""

@@ -29,7 +29,7 @@ from .options import (LAUNCH_OPTIONS, MAX_RESTARTS, NP, HorovodUsageError, check
 
 def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
           timeline: str | None = None, use_gpu: bool = False, quiet: bool = False,
-          min_np: int | None = None) -> Pool:
+          min_np: int | None = None, memory_per_rank: str | None = None) -> Pool:
     """Start `np` ranks that live between cells (Spark barrier tasks where `spark`, or where
     a SparkSession is active and `spark` is None; else local processes).
 
@@ -43,11 +43,12 @@ def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None 
     `timeline=""` records every cell's timeline in the pool's log folder (a path: there).
     `min_np` makes the pool elastic: a lost rank is replaced by a fresh one (which starts
     empty; the others keep their state) while `min_np` ranks are left, instead of breaking
-    the pool; `pool.replaced` says what each replacement said.
+    the pool; `pool.replaced` says what each replacement said. `memory_per_rank` ('2GiB')
+    caps each local rank's memory, as `%%horovod --memory-per-rank` does.
     """
     display = _quiet_display if quiet else make_display
     return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
-                display=display, min_np=min_np).start()
+                display=display, min_np=min_np, memory_per_rank=memory_per_rank).start()
 
 
 def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
@@ -76,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]] "
-              "[--env KEY=VALUE ...] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
+              "[--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
               "· %horovod restart · %horovod stop · %horovod auto [off]")
 
 
@@ -150,7 +151,7 @@ def _start(args) -> None:
         raise PoolError(running.already_running())
     began = time.monotonic()
     pool = start(args.np, spark=options.spark, env=options.env, timeline=args.timeline,
-                 use_gpu=args.gpu, min_np=args.min_np)
+                 use_gpu=args.gpu, min_np=args.min_np, memory_per_rank=args.memory_per_rank)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
           f"({pool.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")
@@ -181,7 +182,8 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
             f"first (its state is lost), then %horovod start -np {args.np}, or run one-shot cells")
     for option, given in (("--spark", args.spark), ("--local", args.local), ("--env", args.env),
                           ("--gpu", args.gpu), ("--timeline", args.timeline is not None),
-                          ("--mlflow", args.mlflow is not None)):
+                          ("--mlflow", args.mlflow is not None),
+                          ("--memory-per-rank", args.memory_per_rank is not None)):
         if given:
             raise HorovodUsageError(f"{option} is chosen when the pool starts (%horovod start ... "
                               f"{option}), not per cell; %horovod restart keeps the pool's options")

@@ -47,12 +47,16 @@ class HorovodRunner:
     rank fails, every rank is stopped and the whole group starts again, at most K times, with
     `TORCHELASTIC_RESTART_COUNT` set for code that resumes from its own checkpoint;
     `last_run.restarts` lists the restarts. Not with `min_np`/`max_np`.
+
+    `memory_per_rank='2GiB'` caps each local rank's memory (a memory cgroup per rank): a rank
+    over it is killed by the OOM killer and named out of memory, as on a machine that small.
     """
 
     def __init__(self, np: int, driver_log_verbosity: str = "all", timeline: str | None = None,
                  timeout: float | None = None, env: dict[str, str] | None = None,
                  use_gpu: bool = False, mlflow: bool | str | None = None,
-                 min_np: int | None = None, max_np: int | None = None, max_restarts: int = 0):
+                 min_np: int | None = None, max_np: int | None = None, max_restarts: int = 0,
+                 memory_per_rank: str | None = None):
         if not isinstance(np, int) or isinstance(np, bool) or np == 0:
             raise ValueError(
                 f"HorovodRunner(np={np!r}): np must be a non-zero integer: np=-2 runs 2 local "
@@ -65,7 +69,8 @@ class HorovodRunner:
         self._options = JobOptions(display=make_display, timeout_s=timeout, timeline_path=timeline, env=dict(env or {}),
                                    hide_output=driver_log_verbosity != "all", use_gpu=use_gpu,
                                    title=f"HorovodRunner(np={np})", mlflow=mlflow,
-                                   min_np=min_np, max_np=max_np, max_restarts=max_restarts)
+                                   min_np=min_np, max_np=max_np, max_restarts=max_restarts,
+                                   memory_per_rank=memory_per_rank)
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:

@@ -39,7 +39,7 @@ class _RankFactory:
         self._exit_listeners: dict[int, callable] = {}
         self._output_listeners: dict[int, callable] = {}  # by request id until started, then by pid
         self._state_listeners: dict[int, callable] = {}  # by request id until started, then by pid
-        self._early_exits: dict[int, int] = {}  # exits heard before anyone listened for them
+        self._early_exits: dict[int, RankReaped] = {}  # exits heard before anyone listened for them
         threading.Thread(target=self._read_replies, name="ddl-rank-factory", daemon=True).start()
 
     def alive(self) -> bool:
@@ -48,7 +48,8 @@ class _RankFactory:
     def fork_rank(self, request: ForkRank, on_exit, on_output, on_state) -> int:
         """Start one rank. From another thread, `on_output(stream, lines)` is called with what
         it writes, `on_state(state)` when it stops or goes on (a `ProcessState` value), then
-        `on_exit(returncode)` once it has ended and all it wrote was read."""
+        `on_exit(returncode, out_of_memory)` once it has ended and all it wrote was read
+        (`out_of_memory`: why, where the OOM killer killed it, else "")."""
         request_id = next(self._ids)
         reply: queue.Queue = queue.Queue()
         with self._lock:
@@ -69,7 +70,7 @@ class _RankFactory:
             if early is None:
                 self._exit_listeners[pid] = on_exit
         if early is not None:
-            on_exit(early)
+            on_exit(early.returncode, early.out_of_memory)
         return pid
 
     def _read_replies(self) -> None:
@@ -101,14 +102,14 @@ class _RankFactory:
                         case RankState(pid, state):
                             if (on_state := self._state_listeners.get(pid)) is not None:
                                 on_state(state)
-                        case RankReaped(pid, returncode):
+                        case RankReaped(pid):
                             self._output_listeners.pop(pid, None)
                             self._state_listeners.pop(pid, None)
                             on_exit = self._exit_listeners.pop(pid, None)
                             if on_exit is None:
-                                self._early_exits[pid] = returncode
+                                self._early_exits[pid] = message
                 if on_exit is not None:
-                    on_exit(message.returncode)
+                    on_exit(message.returncode, message.out_of_memory)
 
 
 _factory: _RankFactory | None = None
@@ -140,6 +141,7 @@ class LocalLauncher:
     forwards_output = True
     # A replacement is a fork, ready in a moment: an elastic run's world waits for it.
     replacements_join_later = False
+    caps_memory = True  # the factory forks each rank: it may enter a memory cgroup of its own
 
     def __init__(self):
         self._pids: list[int] = []
@@ -194,8 +196,8 @@ class LocalLauncher:
         control_address, secret, env, sys_path, events = self._start_args
         exited = threading.Event()
 
-        def on_exit(returncode: int) -> None:
-            events.put(ProcessExited(rank, returncode))
+        def on_exit(returncode: int, out_of_memory: str) -> None:
+            events.put(ProcessExited(rank, returncode, out_of_memory=out_of_memory))
             exited.set()
 
         def on_output(stream: str, lines: list) -> None:

@@ -84,6 +84,7 @@ class SparkLauncher:
     elastic_where = "Spark tasks, one job per rank"  # where an elastic run's ranks are
     forwards_output = True  # each task relays its rank's output, then its exit
     replacements_join_later = True  # an elastic run's replacement waits for a free slot
+    caps_memory = False  # a rank has its executor's memory (spark.executor.memory)
 
     def __init__(self, spark=None, data=None):
         """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned

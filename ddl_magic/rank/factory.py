@@ -38,6 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from . import memory_cap
 from ..wire.liveness import ProcessState, process_state
 from ..wire.messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
 from ..wire.output_lines import LineSplitter
@@ -97,6 +98,7 @@ def serve() -> None:
     requests = FrameReader(0)
     streams: dict[int, _RankStream] = {}  # read end -> whose stream it is
     states: dict[int, ProcessState] = {}  # pid -> what was last reported of each living rank
+    oom_kills: dict[int, int] = {}  # pid -> the machine's OOM kills when it was forked
     polled_at = 0.0
     while True:
         try:
@@ -112,7 +114,7 @@ def serve() -> None:
                 _forward(streams, fd, until_empty=False)
         if child_exits_r in readable:
             os.read(child_exits_r, 4096)
-            _report_exits(streams, states)
+            _report_exits(streams, states, oom_kills)
         if 0 in readable:
             messages = requests.read()
             if messages is None:
@@ -121,6 +123,7 @@ def serve() -> None:
                 os._exit(0)
             for request in messages:
                 pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
+                kills_before = memory_cap.machine_oom_kills()
                 pid = os.fork()
                 if pid == 0:
                     _become_rank(request, pipes, child_exits_r, child_exits_w, *streams)
@@ -129,6 +132,7 @@ def serve() -> None:
                     os.set_blocking(read_end, False)
                     streams[read_end] = _RankStream(pid, stream)
                 states[pid] = ProcessState.RUNNING
+                oom_kills[pid] = kills_before
                 write_frame(1, RankForked(request.id, pid))
 
 
@@ -163,10 +167,11 @@ def _report_states(states: dict[int, ProcessState]) -> None:
             write_frame(1, RankState(pid, state.value))
 
 
-def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState]) -> None:
+def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState],
+                  oom_kills: dict[int, int]) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -175,7 +180,9 @@ def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessStat
         for fd in [fd for fd, rank_stream in streams.items() if rank_stream.pid == pid]:
             _forward(streams, fd, until_empty=True)
         states.pop(pid, None)
-        write_frame(1, RankReaped(pid, os.waitstatus_to_exitcode(status)))
+        code = os.waitstatus_to_exitcode(status)
+        why = memory_cap.out_of_memory(pid, code, usage.ru_maxrss * 1024, oom_kills.pop(pid, 0))
+        write_frame(1, RankReaped(pid, code, why))
 
 
 def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_fds: int) -> None:

@@ -49,6 +49,7 @@ from ..wire.messages import (Abort, AskNextWorld, ClockProbe, Failed, FailureKin
                              HostsUpdated, NextWorld, Output, Register, RunCannotGoOn, Start, TimelineEvents,
                              TimelineStart)
 from ..wire.output_lines import forward_lines
+from . import memory_cap
 from .environment import rank_environment, reserve_port
 
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
@@ -109,6 +110,8 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
         case other:
             raise ValueError(f"expected Start from the driver, got {type(other).__name__}")
     os.environ.update(settings.env)
+    if memory_cap.VARIABLE in settings.env:  # before anything of the user's runs
+        memory_cap.cap_this_process(int(settings.env[memory_cap.VARIABLE]))
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id,
                                        settings.restart_count, settings.max_restarts))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))

@@ -21,7 +21,6 @@ from .negotiation import Request, Response
 from .planes import DataPlane
 from .reduce_ops import ReduceOp
 from .planes.shared_memory import BUFFER_BYTES, MESSAGE_BYTES
-from .planes.shared_memory_plane import SharedMemoryPlane
 from .timeline import recorder
 
 
@@ -51,8 +50,8 @@ class CollectiveRunner:
     def __init__(self, plane: DataPlane, rank: int, size: int):
         self.plane = plane
         self._rank, self._size = rank, size
-        # The plane whose negotiation rounds can carry data (every rank on this host), or None.
-        self._shared_memory = plane if isinstance(plane, SharedMemoryPlane) else None
+        # The group whose negotiation rounds can carry data (every rank on this host), or None.
+        self._lockstep = plane.lockstep_group
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
@@ -74,7 +73,7 @@ class CollectiveRunner:
         """The bytes of the one fused allreduce that `entries` would make, if it can ride on
         a negotiation round: host tensors (and outputs), every rank on this host, fitting the
         payload area. 0 if not."""
-        if self._shared_memory is None or not entries:
+        if self._lockstep is None or not entries:
             return 0
         first = entries[0].request
         key = ("allreduce", first.dtype, first.op, first.prescale, first.postscale)
@@ -118,7 +117,7 @@ class CollectiveRunner:
         else:
             reduced = self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
         with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
-            self._shared_memory.host_group.allreduce_attached(reduced, op.kernel_name)
+            self._lockstep.allreduce_attached(reduced, op.kernel_name)
         if alone:
             _scale(reduced, postscale)
             return

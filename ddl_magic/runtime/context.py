@@ -22,7 +22,6 @@ from .op_queue import OpQueue
 from .op_queue_shm import SharedMemoryOpQueue
 from .op_queue_tcp import TcpOpQueue
 from .planes import choose_plane
-from .planes.shared_memory_plane import SharedMemoryPlane
 from .planes.tcp import RingTransport
 from .settings import Settings
 from .world import Peer, World, derive_world, single_process_world
@@ -111,10 +110,24 @@ def connect_subset(members: tuple[int, ...], ports: dict[int, int],
         connections = rendezvous.connect(world, listener, bootstrap.secret, settings)
     finally:
         listener.close()
+    run = _runtime
+    if connections.host_group is not None and run is not None and \
+            run.world.local_size > len(os.sched_getaffinity(0)):
+        # The set's members share their cores with the run's other ranks on this host, busy
+        # in sets of their own (HSDP's groups run side by side): a spinning wait would take
+        # the core a neighbour needs, so wait on the futex at once, as the run's ring does.
+        connections.host_group.spin_s = 0.0
     runtime = _runtime_over(world, connections, settings)
     with _lock:
         _subsets.append(runtime)
     return runtime
+
+
+def is_open(runtime: Runtime) -> bool:
+    """Whether `runtime` still runs collectives: the run's ring, or a set's ring that neither
+    `close_subset` nor `shutdown` (the run's ring re-formed) has closed."""
+    with _lock:
+        return runtime is _runtime or runtime in _subsets
 
 
 def close_subset(runtime: Runtime) -> None:
@@ -132,8 +145,8 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
     plane = choose_plane(connections.ring, connections.host_group, connections.cross,
                          settings.allreduce_algorithm)
     runner = CollectiveRunner(plane, world.rank, world.size)
-    if isinstance(plane, SharedMemoryPlane):  # one host: negotiate in lockstep through it too
-        queue: OpQueue = SharedMemoryOpQueue(runner, connections.host_group, settings.fusion_threshold,
+    if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
+        queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,
                                              settings.cycle_time_s, settings.stall_time_s,
                                              settings.timeout_s)
     else:

@@ -42,17 +42,17 @@ names it.
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, PeerClosedError
+from .agreement import Exchange, gather
 from .errors import PeerLostError
 from .negotiation import Request
 from .planes.hypercube import HypercubeLinks, links_to_open
@@ -280,22 +280,7 @@ def process_set_world(run_peers: Sequence[Peer], rank: int, members: tuple[int, 
     return derive_world(members.index(rank), peers, run_ranks=members)
 
 
-# ---- agreeing: every rank's small object, on every rank ------------------------------------
-
-Exchange = Callable[[bytes], list[bytes]]
-"""Sends this rank's bytes and returns every rank's, in rank order (the same list everywhere)."""
-
-
-def gather(mine: object, exchange: Exchange) -> list:
-    """Every rank's `mine`, in rank order, the same list on every rank: pickled, moved by
-    `exchange`, unpickled. Every rank of the ring calls it at the same point.
-
-    >>> two_ranks_alike = lambda mine: [mine, mine]
-    >>> gather(("rank", 0), two_ranks_alike)
-    [('rank', 0), ('rank', 0)]
-    """
-    return [pickle.loads(theirs) for theirs in exchange(pickle.dumps(mine))]
-
+# ---- agreeing: every rank's small object, on every rank (`agreement.gather`) ---------------
 
 def over_coordination(world: World, coordination: dict[int, Channel], timeout: float,
                       during: str) -> Exchange:

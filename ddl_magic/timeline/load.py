@@ -113,14 +113,17 @@ def _from_chrome_events(batches: Iterable[list[dict[str, Any]]]) -> TraceData:
     thread_names: dict[tuple[Any, Any], str] = {}
     tid_of_row: dict[tuple[int, str], Any] = {}
     for batch in batches:
+        complete = []
         for e in batch:
-            if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            phase = e.get("ph")
+            if phase == "X":
+                complete.append(e)
+            elif phase == "M" and e.get("name") in ("process_name", "thread_name"):
                 name = e.get("args", {}).get("name", "")
                 if e["name"] == "process_name":
                     rank_names[e.get("pid", 0)] = name
                 else:
                     thread_names[(e.get("pid", 0), e.get("tid", 0))] = name
-        complete = [e for e in batch if e.get("ph") == "X"]
         # A million events make this the hot loop of loading: fetch each event's fields as
         # one tuple and zip(*) them into columns, several times faster than per field.
         try:
@@ -227,12 +230,22 @@ class _EventColumns:
         self._numbers["rank"].append(np.asarray(ranks, dtype=np.int64))
         self._numbers["start_us"].append(_numbers(starts))
         self._numbers["duration_us"].append(_numbers(durations))
-        self._numbers["bytes"].append(_numbers([a.get("bytes") if a else None for a in args]))
-        self._numbers["world_size"].append(_numbers([a.get("size") if a else None for a in args]))
-        self._add_codes("lane", lanes)
-        self._add_codes("op", [a.get("op") if a else None for a in args])
+        # Only the keys some event's args has are looked up event by event: another tool's
+        # trace has none of ours, and a million lookups that find nothing take seconds.
+        present = [a for a in args if a]
+        keys = set().union(*present) if present else set()
+
+        def values(key: str) -> list[Any] | None:
+            return [a.get(key) if a else None for a in args] if key in keys else None
+
+        self._numbers["bytes"].append(_numbers(values("bytes"), len(args)))
+        self._numbers["world_size"].append(_numbers(values("size"), len(args)))
+        self._add_codes("lane", lanes, len(lanes))
+        self._add_codes("op", values("op"), len(args))
         self._names.append(pa.array(names, pa.string()))
-        self._tensors.append(pa.array(list(map(_tensor_names, args)), pa.list_(pa.string())))
+        tensors = (list(map(_tensor_names, args)) if keys & {"tensors", "tensor"}
+                   else [()] * len(args))
+        self._tensors.append(pa.array(tensors, pa.list_(pa.string())))
 
     def table(self) -> pd.DataFrame:
         """Every batch's events, in the order they were added."""
@@ -250,13 +263,23 @@ class _EventColumns:
             tensors=pa.chunked_array(self._tensors, pa.list_(pa.string())),
         )
 
-    def _add_codes(self, column: str, values: Sequence[Any]) -> None:
-        """The batch's values as codes in the whole table's categories (-1 for missing)."""
-        batch = pd.Categorical(values)
+    def _add_codes(self, column: str, values: Sequence[Any] | None, count: int) -> None:
+        """The batch's values as codes in the whole table's categories (-1 for missing; all
+        `count` missing for no values)."""
+        if values is None:
+            self._codes[column].append(np.full(count, -1, dtype=np.int32))
+            return
+        try:  # hashed in C++ (twice as fast as pandas on a million strings)
+            encoded = pa.array(values, pa.string()).dictionary_encode()
+            categories = encoded.dictionary.to_pylist()
+            codes = encoded.indices.fill_null(-1).to_numpy(zero_copy_only=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # not all strings: whatever pandas makes of them
+            batch = pd.Categorical(values)
+            categories, codes = list(batch.categories), batch.codes
         known = self._categories[column]
-        to_table = np.array([known.setdefault(value, len(known)) for value in batch.categories] + [-1],
+        to_table = np.array([known.setdefault(value, len(known)) for value in categories] + [-1],
                             dtype=np.int32)
-        self._codes[column].append(to_table[batch.codes])
+        self._codes[column].append(to_table[codes])
 
     def _categorical(self, column: str) -> pd.Categorical:
         chunks = self._codes[column]
@@ -305,8 +328,11 @@ def _sortable_number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else math.inf
 
 
-def _numbers(values: Sequence[Any]) -> np.ndarray:
-    """Floats from JSON values; None and anything not a number become NaN."""
+def _numbers(values: Sequence[Any] | None, count: int | None = None) -> np.ndarray:
+    """Floats from JSON values; None and anything not a number become NaN (`count` NaNs for
+    no values at all)."""
+    if values is None:
+        return np.full(count, np.nan)
     try:
         return np.asarray(values, dtype=np.float64)
     except (TypeError, ValueError):

@@ -1,4 +1,5 @@
-"""The `ddl` backend for torch.distributed: DDP, FSDP, FSDP2 and DTensor over ddl_magic's runtime.
+"""The `ddl` backend for torch.distributed: DDP, FSDP2, HSDP, tensor parallelism, DTensor and
+DeepSpeed over ddl_magic's runtime.
 
     import torch.distributed as dist
     dist.init_process_group("ddl")          # in any rank ddl_magic launched
@@ -18,15 +19,21 @@ shape than the others gets the negotiation's mismatch error, naming every rank's
 Each collective starts as soon as every rank has submitted it, without the fusion window:
 DDP and FSDP fuse their tensors into buckets themselves.
 
-FSDP2 (`fully_shard`) and DTensor find the group by its name, on a 1-D `DeviceMesh`: the
-group keeps the name torch gives it. FSDP2's gradient divide factor reduces with PREMUL_SUM,
-which is the runtime's prescale. `gather` and `scatter` (DTensor's `distribute_tensor`
-scatters) ride on the runtime's allgather and broadcast.
+Groups. A group over every rank runs over the run's ring; `new_group(ranks)` over some of
+them, and so every dimension of an N-D `DeviceMesh` (HSDP's, tensor parallelism's, a
+`_flatten`ed one), runs over a ring of its members formed when torch creates the group
+(`group_rings.py`): shared memory within a host, TCP across hosts. Ranks in arguments are
+the group's, as torch passes them; errors and the timeline name run ranks. `send`/`recv`
+between two ranks run over a ring of the pair, formed the first time they talk.
 
-What is not here: point-to-point `send`/`recv` and `all_to_all` (DTensor on CPU needs none:
-it all-gathers instead), and process groups over a subset of the ranks (and so the
-DeviceMesh dimensions that do not span every rank, which make such groups).
-They raise an error that says so, so use `gloo` for such code.
+FSDP2 (`fully_shard`), DTensor and functional collectives find a group by its name: the group
+keeps the name torch gives it. FSDP2's gradient divide factor reduces with PREMUL_SUM, which is
+the runtime's prescale. The runtime has no rooted gather or scatter and no all-to-all: `gather`
+and `scatter` (DTensor's `distribute_tensor` scatters) ride on its allgather and broadcast, and
+`all_to_all` on its allgather, each moving `size` times the bytes they need.
+
+What is not here: `recv` from any source (a receive is paired with its sender by name), and
+the bitwise reductions. They raise an error that says so.
 """
 
 from __future__ import annotations
@@ -38,9 +45,11 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ..runtime import context
+from ..runtime.context import Runtime
 from ..runtime.negotiation import Request
-from ..runtime.op_queue import Handle
+from ..runtime.op_queue import Handle, OpQueue
 from ..runtime.reduce_ops import ReduceOp
+from . import group_rings
 from .ops import check_reducible
 
 BACKEND_NAME = "ddl"
@@ -68,16 +77,11 @@ def _create_process_group(options, _backend_options) -> "DdlProcessGroup":
             "the ddl backend needs ranks that ddl_magic started (%%horovod, HorovodRunner, "
             "ddlrun, ddl_magic.TorchDistributor); this process was started otherwise (torchrun?): "
             "launch it with `ddlrun -np N python script.py`, or use the gloo backend")
-    world = context.init().world
-    members = list(options.global_ranks_in_group) or list(range(options.group_size))
-    if members != list(range(world.size)) or options.group_rank != world.rank:
-        raise ValueError(
-            f"the ddl backend runs collectives over every rank of the run ({world.size}); this "
-            f"process group has ranks {members}. Create subgroups with a gloo backend, e.g. "
-            "dist.new_group(ranks, backend='gloo'). A DeviceMesh makes such subgroups for "
-            "each dimension that does not span every rank: give those dimensions gloo, "
-            "init_device_mesh(..., backend_override={dim: 'gloo'}), or use a 1-D mesh")
-    return DdlProcessGroup(world.rank, world.size, str(options.group_id))
+    world = context.init().world  # numbered by the group's order of its ranks, as torch numbers them
+    members = list(options.global_ranks_in_group) or list(range(world.size))
+    runtime = group_rings.ring_for_group(members, options.store, str(options.group_id))
+    return DdlProcessGroup(options.group_rank, members, str(options.group_id), runtime,
+                           options.store)
 
 
 class _Work(dist._Work):
@@ -102,13 +106,22 @@ class _Work(dist._Work):
 
 
 class DdlProcessGroup(dist.ProcessGroup):
-    """torch.distributed's collectives, each submitted to ddl_magic's op queue."""
+    """torch.distributed's collectives, each submitted to ddl_magic's op queue: the run's
+    ring's, or the group's own ring's where the group has some of the run's ranks."""
 
-    def __init__(self, rank: int, size: int, group_id: str):
-        super().__init__(rank, size)
-        self._rank, self._size = rank, size
+    def __init__(self, rank: int, members: list[int], group_id: str, runtime: Runtime | None,
+                 store: dist.Store):
+        super().__init__(rank, len(members))
+        self._rank, self._size = rank, len(members)
+        self._members = members  # run ranks, in the group's order
+        self._runtime = runtime  # None: the run's ring, whichever is current
+        self._store = store
+        self._pairs: dict[tuple[int, int], Runtime] = {}  # send/recv rings, by group ranks
         self._prefix = f"ddl{group_id}"
         self._calls: Counter = Counter()
+        # Each name's collective until it completes (a name is reused NAME_WINDOW calls later):
+        # a completed one is dropped at once, or its output (FSDP2's all-gathered layer) would
+        # be kept alive for NAME_WINDOW calls.
         self._in_flight: dict[str, Handle] = {}
         self._group_name = ""
         self._group_desc = ""
@@ -132,8 +145,21 @@ class DdlProcessGroup(dist.ProcessGroup):
     def setGroupDesc(self, description: str) -> None:
         self._group_desc = description
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The devices whose tensors this group takes (torch asks a group's C++ backends, and
+        a Python group has none): DCP's `async_save` checks for the CPU."""
+        return [torch.device("cpu"), *([torch.device("cuda")] if torch.cuda.is_available() else [])]
+
+    def shutdown(self) -> None:
+        """`destroy_process_group`: the group's own rings close (the run's ring stays)."""
+        for runtime in [self._runtime, *self._pairs.values()]:
+            if runtime is not None:
+                context.close_subset(runtime)
+        self._pairs.clear()
+
     def __repr__(self) -> str:
-        return f"DdlProcessGroup(rank={self._rank}, size={self._size})"
+        return f"DdlProcessGroup(rank={self._rank}, size={self._size}, ranks={self._members})"
 
     # ---- submitting ---------------------------------------------------------------------------
 
@@ -149,19 +175,35 @@ class DdlProcessGroup(dist.ProcessGroup):
                 pass  # its own Work reports the failure
         return name
 
+    def _queue(self, api: str, runtime: Runtime | None) -> OpQueue:
+        """The op queue of `runtime`, or of the run's current ring for None."""
+        if runtime is None:
+            return context.current(f"torch.distributed.{api}").queue
+        if not context.is_open(runtime):
+            raise RuntimeError(
+                f"torch.distributed.{api}: the ring of {self} was closed (the group was "
+                "destroyed, or the run's rings were re-formed, as after a failed pool cell): "
+                "create the group again")
+        return runtime.queue
+
     def _submit(self, api: str, kind: str, tensor: torch.Tensor | None,
-                output: torch.Tensor | None, finish, waited_at_once: bool, **fields) -> Handle:
+                output: torch.Tensor | None, finish, waited_at_once: bool,
+                runtime: Runtime | None, label: str, **fields) -> Handle:
         """Queue one collective; `finish(handle)` runs when it completes and gives the future's value."""
-        queue = context.current(f"torch.distributed.{api}").queue
-        name = self._name(kind)
+        queue = self._queue(api, runtime)
+        name = self._name(label)
         handle = queue.submit(Request.of(name, kind, tensor, **fields), tensor, output,
                               wait_follows=waited_at_once, on_done=finish, fused=True)
         self._in_flight[name] = handle
+        if handle.done():  # it completed before it was kept (a world of one runs at once)
+            self._in_flight.pop(name, None)
         return handle
 
-    def _work(self, api: str, submissions, value, opts) -> _Work:
-        """Submit `(kind, tensor, output, fields, after)` collectives; the future gets `value`
-        once all have completed and each `after(output)` has run.
+    def _work(self, api: str, submissions, value, opts, runtime: Runtime | None = None,
+              label: str | None = None) -> _Work:
+        """Submit `(kind, tensor, output, fields, after)` collectives over this group's ring
+        (or `runtime`); the future gets `value` once all have completed and each
+        `after(output)` has run. Each is named by its kind (or `label`) and how many came before.
 
         A blocking call (`async_op=False`, as all of FSDP2's on CPU) waits on its Work at
         once, and that wait runs the collective: the op queue's thread need not be woken for
@@ -171,6 +213,8 @@ class DdlProcessGroup(dist.ProcessGroup):
         failed = []
 
         def finish(handle: Handle, after) -> None:
+            if self._in_flight.get(handle.name) is handle:
+                self._in_flight.pop(handle.name, None)
             try:
                 output = handle.wait()  # complete: returns at once, or raises its error
                 if after is not None:
@@ -184,9 +228,10 @@ class DdlProcessGroup(dist.ProcessGroup):
                 else:
                     future.set_result(value)
 
+        runtime = runtime or self._runtime
         handles = [self._submit(api, kind, tensor, output,
                                 lambda handle, after=after: finish(handle, after),
-                                not opts.asyncOp, **fields)
+                                not opts.asyncOp, runtime, label or kind, **fields)
                    for kind, tensor, output, fields, after in submissions]
         return _Work(handles, future)
 
@@ -316,28 +361,100 @@ class DdlProcessGroup(dist.ProcessGroup):
              lambda received: output.copy_(received[mine].view(output.shape)))
         ], outputs, opts)
 
-    # ---- what the runtime does not have: say so ---------------------------------------------
+    # ---- all-to-all: every rank's allgathered input, of which each keeps its parts --------------
+    # The runtime has no all-to-all: it moves `size` times the bytes one would (every rank
+    # receives every part), which DTensor's shard-to-shard redistribution on CPU avoids (it
+    # all-gathers instead), and which Mixture-of-Experts layers would feel.
 
-    def _unsupported(self, call: str):
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts) -> _Work:
+        """Rank r's output holds, in rank order, the part of every rank's input meant for r:
+        dim 0 split by `input_split_sizes` (evenly if empty) on the sender, and received into
+        parts of `output_split_sizes` rows."""
+        rows_in = _split_rows(input, input_split_sizes, self._size, "input")
+        rows_out = _split_rows(output, output_split_sizes, self._size, "output")
+        row = _row_numel(input, output)
+        if list(input_split_sizes) or list(output_split_sizes):
+            every_split = self._splits_of_every_rank(rows_in)
+        else:
+            every_split = [rows_in] * self._size
+        for source, splits in enumerate(every_split):
+            if splits[self._rank] != rows_out[source]:
+                raise ValueError(
+                    f"torch.distributed.all_to_all_single: rank {self._rank} expects "
+                    f"{rows_out[source]} rows from rank {source}, which sends it {splits[self._rank]}")
+
+        def keep_mine(gathered: torch.Tensor) -> None:
+            parts, start = [], 0
+            for splits in every_split:
+                offset = start + sum(splits[:self._rank]) * row
+                parts.append(gathered[offset:offset + splits[self._rank] * row])
+                start += sum(splits) * row
+            output.copy_(torch.cat(parts).view(output.shape))
+
+        return self._work("all_to_all", [("allgather", _flat(input), None, {}, keep_mine)],
+                          [output], opts)
+
+    def alltoall(self, outputs, inputs, opts) -> _Work:
+        """`dist.all_to_all`: the lists as one all_to_all_single of their concatenations."""
+        _check_parts(inputs, self._size, "all_to_all", "input_tensor_list")
+        _check_parts(outputs, self._size, "all_to_all", "output_tensor_list")
+        whole_in = torch.cat([t.detach().reshape(-1) for t in inputs])
+        whole_out = torch.empty(sum(t.numel() for t in outputs), dtype=whole_in.dtype)
+        work = self.all_to_all_single(whole_out, whole_in, [t.numel() for t in outputs],
+                                      [t.numel() for t in inputs], opts)
+        work.wait()
+        _copy_chunks(whole_out, outputs)
+        return work
+
+    def _splits_of_every_rank(self, mine: list[int]) -> list[list[int]]:
+        """Every rank's input splits, which say where in its input each receiver's part starts."""
+        splits = torch.tensor(mine, dtype=torch.int64)
+        every = torch.empty(self._size * self._size, dtype=torch.int64)
+        self._work("all_to_all_splits", [("allgather", splits, every, {}, None)], [],
+                   _NoOptions()).wait()
+        return every.view(self._size, self._size).tolist()
+
+    # ---- point to point: a broadcast over the pair's own ring ----------------------------------
+    # The sender and the receiver name their n-th message of a tag alike, so a receive pairs
+    # with the send it matches whatever else either of them does meanwhile.
+
+    def send(self, tensors, dst: int, tag: int) -> _Work:
+        tensor = _single(tensors, "send")
+        return self._point_to_point("send", tensor.detach().contiguous(), None, self._rank, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int) -> _Work:
+        tensor = _single(tensors, "recv")
+        if tensor.is_contiguous():
+            return self._point_to_point("recv", tensor.detach(), None, src, self._rank, tag)
+        received = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        return self._point_to_point("recv", received, tensor.copy_, src, self._rank, tag)
+
+    def recv_anysource(self, tensors, tag: int):
         raise NotImplementedError(
-            f"torch.distributed.{call} is not supported by the ddl backend (it has all_reduce, "
-            "broadcast, all_gather, reduce_scatter, reduce, gather, scatter and barrier); use "
-            "dist.init_process_group('gloo') for code that needs it")
+            "torch.distributed.recv without src is not supported by the ddl backend: a receive "
+            "is paired with its sender's send by name, so name the sender (recv(tensor, src=r))")
 
-    def all_to_all_single(self, *args, **kwargs):
-        self._unsupported("all_to_all_single")
+    def _point_to_point(self, api: str, tensor: torch.Tensor, after, src: int, dst: int,
+                        tag: int) -> _Work:
+        peer = dst if src == self._rank else src
+        _check_rank(peer, self._size, api)
+        if peer == self._rank:
+            raise ValueError(f"torch.distributed.{api}: rank {self._rank} cannot {api} to itself")
+        pair = (min(src, dst), max(src, dst))
+        runtime = self._pairs.get(pair)
+        if runtime is None:
+            runtime = group_rings.ring_for_pair(
+                (self._members[pair[0]], self._members[pair[1]]), self._store, self._group_name)
+            self._pairs[pair] = runtime
+        return self._work(api, [("broadcast", tensor, tensor, {"root": pair.index(src)}, after)],
+                          [tensor], _NoOptions(), runtime, f"p2p.{src}>{dst}.t{tag}")
 
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("all_to_all")
 
-    def send(self, *args, **kwargs):
-        self._unsupported("send")
+class _NoOptions:
+    """The options of a call that torch hands none (send, recv): its Work is waited on by its
+    caller, at once or later."""
 
-    def recv(self, *args, **kwargs):
-        self._unsupported("recv")
-
-    def recv_anysource(self, *args, **kwargs):
-        self._unsupported("recv")
+    asyncOp = True
 
 
 def _reducible(tensors, call: str):
@@ -396,6 +513,30 @@ def _check_parts(parts: list[torch.Tensor], size: int, call: str, argument: str)
     if len(parts) != size:
         raise ValueError(f"torch.distributed.{call}: {argument} has {len(parts)} tensors for a "
                          f"group of {size}; give one per rank")
+
+
+def _split_rows(tensor: torch.Tensor, splits, size: int, which: str) -> list[int]:
+    """Rows of dim 0 per rank: `splits`, or an even split."""
+    splits = [int(s) for s in splits]
+    rows = tensor.shape[0] if tensor.dim() else tensor.numel()
+    if not splits:
+        if rows % size:
+            raise ValueError(f"torch.distributed.all_to_all_single: the {which} has {rows} rows, "
+                             f"which {size} ranks cannot split evenly; give {which}_split_sizes")
+        return [rows // size] * size
+    if len(splits) != size or sum(splits) != rows:
+        raise ValueError(f"torch.distributed.all_to_all_single: {which}_split_sizes {splits} must "
+                         f"give one part per rank ({size}) and add up to its {rows} rows")
+    return splits
+
+
+def _row_numel(input: torch.Tensor, output: torch.Tensor) -> int:
+    """Elements per row of dim 0, which input and output share."""
+    shape = tuple(input.shape[1:])
+    if shape != tuple(output.shape[1:]) or input.dtype != output.dtype:
+        raise ValueError("torch.distributed.all_to_all_single: input and output differ beyond dim 0 "
+                         f"({tuple(input.shape)} {input.dtype}, {tuple(output.shape)} {output.dtype})")
+    return int(torch.Size(shape).numel())
 
 
 def _copied_into(outputs: list[torch.Tensor]):

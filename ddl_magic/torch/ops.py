@@ -53,6 +53,15 @@ def _op_name(kind: str, name: str | None) -> Iterator[str]:
         counts[kind] += 1
 
 
+def _unnamed_number(kind: str) -> int:
+    """How many things of `kind` this process numbered over the active ring before (and one
+    more now): ranks that number them in the same order agree on their numbers."""
+    counts = active_runtime(kind).unnamed_submitted
+    with _unnamed_lock:
+        counts[kind] += 1
+        return counts[kind] - 1
+
+
 def _ring(api: str) -> World:
     """This rank's place in the ring the operation runs over (the active process set's)."""
     return active_runtime(api).world

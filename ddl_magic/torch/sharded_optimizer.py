@@ -32,9 +32,14 @@ is then exactly the unsharded optimizer's, loadable into either.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
 from ..runtime.reduce_ops import ReduceOp
 from ..runtime.planes.ring import chunk_bounds
@@ -106,6 +111,7 @@ class _Share:
                  ranges: list[tuple[int, int]], me: int):
         self.name = name
         self.params = params
+        self.ranges = ranges
         self.numels = [end - start for start, end in ranges]
         mine_start, mine_end = ranges[me]
         self.pieces, offset = [], 0
@@ -115,6 +121,8 @@ class _Share:
                 self.pieces.append(_Piece(param, index, start, end))
             offset += param.numel()
         self.whole_here = {id(piece.param) for piece in self.pieces if piece.whole}
+        self.offsets = dict(zip(map(id, params),
+                                itertools.accumulate([p.numel() for p in params], initial=0)))
         total = sum(self.numels)
         self.gradients = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
         self.gathered = torch.empty(total, dtype=params[0].dtype)  # collectives gather on the host
@@ -129,6 +137,13 @@ class _Share:
             self.gradients.zero_()
         torch._foreach_copy_(slots, dense)
         return self.gradients
+
+    def parts_of(self, param: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(rank, start, end): which elements of `param`, flattened, each rank holds."""
+        offset = self.offsets[id(param)]
+        parts = [(r, max(a, offset) - offset, min(b, offset + param.numel()) - offset)
+                 for r, (a, b) in enumerate(self.ranges)]
+        return [(r, start, end) for r, start, end in parts if start < end]
 
     def flat_mine(self) -> torch.Tensor:
         """This rank's range of the parameters, as one buffer."""
@@ -169,6 +184,8 @@ class _ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append(_keeping(group, keep, leaves))
         super(self.__class__, self).__init__(local_groups)
         self._built = True
+        self._names = names
+        self._elementwise = elementwise
         self._compression = compression
         self._op, self._prescale, self._postscale = op, prescale, postscale
         self._sparse_as_dense = sparse_as_dense
@@ -346,6 +363,90 @@ class _ShardedOptimizer(torch.optim.Optimizer):
                 local_index += 1
             local_groups.append(_keeping(group, keep, indices, kept_only=True))
         super(self.__class__, self).load_state_dict({"state": state, "param_groups": local_groups})
+
+
+    # ---- checkpoints without gathering: torch.distributed.checkpoint -------------------------
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's share of the state, for `torch.distributed.checkpoint` (DCP): every rank
+        writes its own share, nothing is gathered on one rank, and a checkpoint saved at one
+        world size loads at another (each rank reads the parts that overlap its new share).
+
+            >>> state = {"model": model.state_dict(), "optimizer": optimizer.sharded_state_dict()}
+            >>> dcp.save(state, checkpoint_id=path)                 # every rank
+            >>> dcp.load(state, checkpoint_id=path)                 # every rank, any world size
+            >>> optimizer.load_sharded_state_dict(state["optimizer"])
+
+        State is keyed by parameter name (`named_parameters` of the DistributedOptimizer). An
+        elementwise optimizer's per-element state (Adam's moments) is each parameter's,
+        flattened, of which this rank holds its range: DCP sees one tensor in parts (a
+        `ShardedTensor`). Other state (a step count, a whole parameter's factors) is whole. An
+        optimizer that has not stepped yet gets its state first, by a step of zero gradients
+        at learning rate 0 on this rank's share, as torch's `get_state_dict` does.
+        DCP needs torch.distributed: `dist.init_process_group("ddl")` on every rank first.
+        """
+        if not self.state:
+            self._create_state()
+        state = {}
+        for share in self._shares:
+            for piece in share.pieces:
+                state[self._names[piece.param]] = {
+                    key: self._checkpointed(share, piece, value)
+                    for key, value in self.state[piece.leaf].items()}
+        return {"state": state, "param_groups": [
+            {**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+             "params": [self._names[p] for p in params]}
+            for group, params in zip(self.param_groups, self._every_group)]}
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Take what `dcp.load` read into a `sharded_state_dict()`: tensors were read in place,
+        the rest (scalars, the hyperparameters) is set here."""
+        for piece in self._pieces:
+            saved, state = state_dict["state"][self._names[piece.param]], self.state[piece.leaf]
+            for key, value in saved.items():
+                if isinstance(value, ShardedTensor):
+                    value = value.local_shards()[0].tensor
+                if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                    if value.data_ptr() != state[key].data_ptr():
+                        state[key].copy_(value.view_as(state[key]))
+                else:
+                    state[key] = value
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+
+    def _checkpointed(self, share: _Share, piece: _Piece, value):
+        """A state value as DCP should see it (see `sharded_state_dict`)."""
+        if not (self._elementwise and isinstance(value, torch.Tensor) and value.dim() > 0):
+            return value
+        flat = value.view(-1)  # a view: DCP reads into the state itself
+        if piece.whole:
+            return flat
+        shards = [ShardMetadata([start], [end - start], f"rank:{r}/{flat.device}")
+                  for r, start, end in share.parts_of(piece.param)]
+        properties = TensorProperties(dtype=flat.dtype, layout=flat.layout)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(flat, ShardMetadata([piece.start], [flat.numel()], f"rank:{rank()}/{flat.device}"))],
+            ShardedTensorMetadata(shards, torch.Size([piece.param.numel()]), properties))
+
+    @torch.no_grad()
+    def _create_state(self) -> None:
+        """The state a first step creates, with nothing changed: this rank's share steps once
+        on zero gradients at learning rate 0 (no collective: it is this rank's alone)."""
+        rates = [group.get("lr") for group in self.param_groups]
+        for group in self.param_groups:
+            if "lr" in group:
+                group["lr"] = 0.0 * group["lr"]  # the same type: a tensor lr stays a tensor
+        leaves = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for leaf in leaves:
+            leaf.grad = torch.zeros_like(leaf)
+        try:
+            super(self.__class__, self).step()
+        finally:
+            for group, rate in zip(self.param_groups, rates):
+                if rate is not None:
+                    group["lr"] = rate
+            for leaf in leaves:
+                leaf.grad = None
 
 
 def _joined(states: list[dict], param: torch.Tensor) -> dict:

@@ -16,6 +16,15 @@ TorchDistributor show one merged stream), so this view keeps every rank apart::
 ``handle(event)`` only changes Python-side state and ``refresh()`` pushes what changed to
 the widgets, so a flood of lines costs one widget update per refresh, not one per line.
 Each log keeps only its last ``max_lines`` lines; the full logs are on disk in ``log_dir``.
+
+Widgets cost: each is a model the kernel opens in the frontend, its state sent whole. The
+view's HTML parts share one layout and one style (a dozen models instead of 25), and the
+text a frontend without widgets shows is the view's own report, not ipywidgets' repr of
+every trait. With ``widget_after_s`` (tqdm's ``delay``), no widget is made until the run
+has lasted that long: a run that ends sooner shows its final report as HTML and text (what
+a saved notebook shows of any run, without tabs); a longer one, or one with a timeline,
+gets the full view. No front-end asks for it yet: the labs' browser test expects every
+pool cell to show the widget view.
 """
 
 from __future__ import annotations
@@ -28,22 +37,15 @@ from collections import deque
 from dataclasses import dataclass
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..driver.events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
-from ..driver.records import RankRecord, RankStatus, new_records
+from ..driver.records import RankRecord, RankStatus
+from ..driver.run_report import FAILED_ROW_BACKGROUND, STATUS_COLOURS
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
 
-STATUS_COLOURS = {
-    "starting": "#9e9e9e",
-    "running": "#1e88e5",
-    "done": "#43a047",
-    "failed": "#e53935",
-    "stopped": "#757575",  # the run ended (interrupted, or another rank failed) before this rank did
-}
-OUTCOME_COLOURS = {RunStatus.RUNNING: "#1e88e5", RunStatus.DONE: "#43a047", RunStatus.FAILED: "#e53935",
-                   RunStatus.INTERRUPTED: "#fb8c00"}
-FAILED_ROW_BACKGROUND = "#ffebee"
+__all__ = ["FAILED_ROW_BACKGROUND", "RunView"]
 LAST_LINE_CHARS = 160
 LOG_HEIGHT = "360px"
 LIVE_TIMELINE_INTERVAL_S = 1.0
@@ -107,30 +109,32 @@ class RankOutputView:
 class RunView:
     """A live ipywidgets view of one run's ranks.
 
-    ``ranks`` is the run's list of `RankRecord` (the driver keeps them up to date and the
-    view renders them), or a number of ranks for a view that keeps its own records from the
-    events it is given.
+    ``ranks`` is the run's list of `RankRecord`: the driver applies each event to its rank's
+    record (`RankRecord.apply`, its own decisions besides), then hands the event to the view,
+    which renders the records.
 
     Example::
 
-        view = RunView(4, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
+        records = new_records(4, "/tmp/ddl_magic/run-1")
+        view = RunView(records, title="%%horovod -np 4", log_dir="/tmp/ddl_magic/run-1")
         view.display()
         for event in events:           # the driver's drain loop
+            records[event.rank].apply(event)
             view.handle(event)
             view.refresh()             # the driver calls this at most every ~100 ms
         view.finish(RunStatus.DONE)
     """
 
-    def __init__(self, ranks: int | list[RankRecord], title: str, log_dir: str | None,
+    def __init__(self, ranks: list[RankRecord], title: str, log_dir: str | None,
                  max_lines: int = 500, timeline_interval_s: float = LIVE_TIMELINE_INTERVAL_S,
-                 timeline_share: float = LIVE_TIMELINE_SHARE, timeline_path: str | None = None) -> None:
-        np = ranks if isinstance(ranks, int) else len(ranks)
+                 timeline_share: float = LIVE_TIMELINE_SHARE, timeline_path: str | None = None,
+                 widget_after_s: float | None = None) -> None:
+        np = len(ranks)
         if np < 1:
             raise ValueError(f"np must be at least 1, got {np}")
         if max_lines < 1:
             raise ValueError(f"max_lines must be at least 1, got {max_lines}")
-        self._keeps_records = isinstance(ranks, int)
-        self._records = new_records(np, log_dir) if self._keeps_records else ranks
+        self._records = ranks
         self.np = np
         self.title = title
         self.log_dir = log_dir
@@ -148,39 +152,68 @@ class RunView:
         self._started_at = time.monotonic()
         self._finished_at: float | None = None
 
-        self._banner = widgets.HTML()
-        self._table = widgets.HTML()
-        self._failure = widgets.HTML()
-        self._all_tab = widgets.HTML()
-        self._rank_tabs = [widgets.HTML() for _ in range(np)]
-        self._tabs = widgets.Tab(children=[self._all_tab, *self._rank_tabs])
-        self._root = widgets.VBox([self._banner, self._table, self._failure, self._tabs])
+        self.widget_after_s = widget_after_s
+        self._shown_at: float | None = None  # when display() was asked for
+        self._root: widgets.VBox | None = None  # the widgets, once made (`_make_widgets`)
         # A --timeline run's lanes; made when its first batch arrives (plotly is slow to import).
         self._live = None
-        self._live_summary = widgets.HTML()
         self._live_lanes = None
         self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and the next draw's time
         self._timeline_problem = ""
         self.timeline_text = ""
         """The finished run's timeline summary as text (for frontends without widgets)."""
         self._display_handle = None
+        if widget_after_s is None:
+            self._make_widgets()
+
+    def _make_widgets(self) -> None:
+        """The view's widgets, with the state so far."""
+        # One layout and one style for every HTML part: each would otherwise be two more
+        # models to open in the frontend.
+        shared = dict(layout=widgets.Layout(), style=HTMLStyle())
+        self._banner = widgets.HTML(**shared)
+        self._table = widgets.HTML(**shared)
+        self._failure = widgets.HTML(**shared)
+        self._all_tab = widgets.HTML(**shared)
+        self._rank_tabs = [widgets.HTML(**shared) for _ in range(self.np)]
+        self._tabs = widgets.Tab(children=[self._all_tab, *self._rank_tabs])
+        self._live_summary = widgets.HTML(**shared)
+        self._root = widgets.VBox([self._banner, self._table, self._failure, self._tabs])
+        for rank in self._ranks:
+            rank.log_changed = True
+        self._all_changed = True
         self.refresh()
 
     @property
     def widget(self) -> widgets.VBox:
         """The root widget, to embed the view in another layout."""
+        if self._root is None:
+            self._make_widgets()
         return self._root
 
     def display(self) -> None:
-        """Show the view in the current notebook cell's output.
+        """Show the view in the current notebook cell's output (with ``widget_after_s``:
+        once the run has lasted that long, or its report when it ends sooner).
 
         What a frontend without widgets shows (nbconvert, GitHub, a CI log) is the output's
         text and HTML, which ``finish`` replaces with the final report: without that, a saved
         notebook would show the first frame, "running · 0/2 done", for ever.
         """
+        self._shown_at = time.monotonic()
+        if self._root is not None:
+            self._show_widgets()
+
+    def _show_widgets(self) -> None:
         from IPython.display import display
 
-        self._display_handle = display(self._root, display_id=True)
+        self._display_handle = display(self._widget_bundle(self._banner_text(self._now())),
+                                       raw=True, display_id=True)
+
+    def _widget_bundle(self, text: str) -> dict:
+        """The output showing the view: the root widget, and `text` where widgets do not show."""
+        return {"application/vnd.jupyter.widget-view+json": {
+                    "version_major": 2, "version_minor": 0, "model_id": self._root.model_id},
+                "text/plain": text}
 
     def handle(self, event: Event) -> None:
         """Take one event into the view's state; the widgets change on the next ``refresh()``."""
@@ -197,16 +230,21 @@ class RunView:
             self._failures.clear()
             return
         rank = self._rank(event.rank)
-        if self._keeps_records:
-            self._records[event.rank].apply(event)
         if isinstance(event, RankOutput):
             self._add_output(rank, event)
         elif isinstance(event, RankFailed) and self._records[event.rank].status is RankStatus.FAILED:
             self._failures.setdefault(event.rank, event)
 
     def refresh(self) -> None:
-        """Push the changes since the last refresh to the widgets."""
+        """Push the changes since the last refresh to the widgets (with ``widget_after_s``,
+        made and shown once the run has lasted that long)."""
         now = self._now()
+        if self._root is None:
+            if self._shown_at is None or now - self._shown_at < self.widget_after_s:
+                return
+            self._make_widgets()  # refreshes
+            self._show_widgets()
+            return
         self._banner.value = self._render_banner(now)
         self._table.value = self._render_table(now)
         self._failure.value = self._render_failure()
@@ -225,6 +263,7 @@ class RunView:
 
     def show_rank(self, rank: int) -> None:
         """Open rank ``rank``'s log tab (what clicking one of its lanes does)."""
+        self.widget  # noqa: B018 - made if they were not yet
         self._tabs.selected_index = self._rank(rank).rank + 1
 
     def finish(self, status: RunStatus) -> None:
@@ -241,11 +280,22 @@ class RunView:
         for record in self._records:
             if not record.ended:
                 record.end(RankStatus.STOPPED)
+        if self._root is None and self._live is None and self.timeline_path is None:
+            if self._shown_at is not None:  # it ended before its widgets were due: its report
+                from IPython.display import display
+
+                display({"text/plain": self.report_text(), "text/html": self.report_html()},
+                        raw=True)
+            return
+        if self._root is None:
+            self._make_widgets()
+            if self._shown_at is not None:
+                self._show_widgets()
         self.refresh()
         self._show_final_timeline()
         if self._display_handle is not None:
-            bundle = self._root._repr_mimebundle_()
-            bundle.update({"text/plain": self.report_text(), "text/html": self.report_html()})
+            bundle = self._widget_bundle(self.report_text())
+            bundle["text/html"] = self.report_html()
             self._display_handle.update(bundle, raw=True)
 
     def report_text(self) -> str:
@@ -311,7 +361,7 @@ class RunView:
                 "lines": [f"[{line.rank}] {line.text}" for line in self._all.lines],
                 "dropped": self._all.dropped,
             },
-            "selected_tab": self._tabs.selected_index,
+            "selected_tab": None if self._root is None else self._tabs.selected_index,
             "timeline": None if self._live_lanes is None else {
                 "summary": self._live.summary(),
                 "rows": list(self._live_lanes.trace.rows),
@@ -394,7 +444,7 @@ class RunView:
         header = ("<tr><th>rank</th>" + "".join(f"<th>{KINDS[i]} %</th>" for i in kinds)
                   + "<th>recorded s</th></tr>")
         style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
-        problem = (f'<div style="color:{STATUS_COLOURS["failed"]}">{html.escape(self._timeline_problem)}</div>'
+        problem = (f'<div style="color:{STATUS_COLOURS[RankStatus.FAILED]}">{html.escape(self._timeline_problem)}</div>'
                    if self._timeline_problem else "")
         return f'<b>{heading}</b>{problem}<table style="{style}">{header}{"".join(rows)}</table>'
 
@@ -449,7 +499,7 @@ class RunView:
         return f"{self.title} · {self._outcome_summary(now)}{logs}"
 
     def _render_banner(self, now: float) -> str:
-        colour = OUTCOME_COLOURS[self._outcome]
+        colour = STATUS_COLOURS[self._outcome]
         logs = f" · logs in <code>{html.escape(self.log_dir)}</code>" if self.log_dir else ""
         return (
             f"<div><b>{html.escape(self.title)}</b> · "
@@ -481,7 +531,7 @@ class RunView:
         others = [f"rank {failure.rank} ({html.escape(failure.reason)})" for failure in rest]
         also = f"<div>also failed: {', '.join(others)}</div>" if others else ""
         return (
-            f'<div style="border-left:4px solid {STATUS_COLOURS["failed"]};'
+            f'<div style="border-left:4px solid {STATUS_COLOURS[RankStatus.FAILED]};'
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
             f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
@@ -520,7 +570,7 @@ def _shortened(line: str) -> str:
 
 def _badge(status: RankStatus) -> str:
     return (
-        f'<span style="background:{STATUS_COLOURS[status.value]};color:white;'
+        f'<span style="background:{STATUS_COLOURS[status]};color:white;'
         f'padding:0 6px;border-radius:8px">{status.value}</span>'
     )
 

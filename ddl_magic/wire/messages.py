@@ -382,3 +382,4 @@ class RankReaped:
 
     pid: int
     returncode: int
+    out_of_memory: str = ""  # why, with its peak memory, where the OOM killer killed it

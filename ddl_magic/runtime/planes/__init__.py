@@ -56,6 +56,10 @@ class DataPlane(Protocol):
     """Moves one flat buffer between the ranks of a ring, in place."""
 
     name: str  # "none" (a world of one), "tcp", "shm" or "shm+tcp"
+    lockstep_group: HostGroup | None
+    """The shared-memory group of every rank of the ring, where the plane is one: the op
+    queue then negotiates in lockstep through its rounds, and a small allreduce's data rides
+    on the round that agrees on it (`op_queue_shm.py`). None for a ring that leaves the host."""
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
         """Every rank's `buffer` becomes the reduction of all of them."""

@@ -29,6 +29,8 @@ class RingPlane:
     """The TCP ring: `ring.py`'s algorithms, each step observed for the timeline, and
     recursive doubling for small allreduces. `algorithm`: `DDL_MAGIC_ALLREDUCE_ALGORITHM`."""
 
+    lockstep_group = None  # the ring leaves the host (or is a world of one)
+
     def __init__(self, transport: RingTransport, algorithm: str = "auto"):
         self.transport = transport
         self.name = "none" if transport.world.size == 1 else "tcp"

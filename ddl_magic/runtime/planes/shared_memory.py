@@ -68,7 +68,6 @@ import ctypes
 import functools
 import mmap
 import os
-import pickle
 import select
 import struct
 import sys
@@ -80,6 +79,7 @@ import torch
 
 from ... import kernels
 from . import futex
+from ..agreement import gather
 from ..errors import CollectiveAbortedError, PeerLostError
 from .peer_memory import BUFFER_BYTES, CudaIpcMemory, HostMemory, PeerMemory
 from .ring import chunk_bounds
@@ -459,7 +459,7 @@ class HostGroup:
             own_pointer, handle = CudaIpcMemory.export(device)
         except (RuntimeError, OSError) as exc:
             problem = f"rank {self.world.rank}: {exc}"
-        offers = [pickle.loads(m) for m in self.exchange(pickle.dumps((handle, problem)))]
+        offers = gather((handle, problem), self.exchange)
         problems = [problem for _, problem in offers if problem]
         memory = None
         if not problems:
@@ -468,7 +468,7 @@ class HostGroup:
                                             [handle for handle, _ in offers])
             except (RuntimeError, OSError) as exc:
                 problem = f"rank {self.world.rank}: {exc}"
-            problems = [p for p in map(pickle.loads, self.exchange(pickle.dumps(problem))) if p]
+            problems = [p for p in gather(problem, self.exchange) if p]
         if not problems:
             return memory
         if memory is not None:

@@ -24,6 +24,7 @@ class SharedMemoryPlane:
 
     def __init__(self, host_group: HostGroup, transport: RingTransport):
         self.host_group = host_group
+        self.lockstep_group = host_group  # every rank of the ring is in it
         self._transport = transport  # connected all the same: closed with the plane
         self._size = transport.world.size
 
