@@ -38,10 +38,11 @@ from ddl_magic.runtime.negotiation import Request
 from ddl_magic.runtime.planes import cost_model
 from ddl_magic.runtime.planes.hypercube import ScheduleCount, links_to_open, run_in_memory
 from ddl_magic.runtime.planes.recursive_doubling import TensorReducible, recursive_doubling
+from ddl_magic.runtime.planes.tcp import RendezvousCount
 
 FUSION_THRESHOLD = 64 << 20
 # Each connection between ranks: the three frames of the handshake, then the rank's number.
-FRAMES_PER_CONNECTION = 4
+FRAMES_PER_CONNECTION = RendezvousCount.FRAMES_PER_CONNECTION
 
 
 def gradient_requests(tensors: int) -> list[Request]:

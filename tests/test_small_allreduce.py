@@ -48,6 +48,8 @@ def both_ways(hvd, process_set, planes_switch) -> list[str]:
 
 
 def flat_rings() -> dict:
+    import math
+
     import ddl_magic.torch as hvd
 
     hvd.init()
@@ -76,6 +78,13 @@ def flat_rings() -> dict:
     cached = counters["cached"]
     report["counters"] = [] if (cached["cycles"] > 0 and 0 < cached["messages_received_per_cycle"] <= 6
                                 and counters["coordinated_cycles"] > 0) else [counters]
+    # forming the ring: its two neighbours, at most log2 N + 1 hypercube partners, and rank
+    # 0's coordination links (N - 1 on rank 0, one on every other rank)
+    rendezvous, size = counters["rendezvous"], hvd.size()
+    links = rendezvous["connections_opened"] + rendezvous["connections_accepted"]
+    bound = 2 + math.ceil(math.log2(size)) + 1 + (size - 1 if hvd.rank() == 0 else 1)
+    report["rendezvous"] = [] if (0 < links <= bound and rendezvous["frames"] == 4 * links and (
+        hvd.rank() or rendezvous["connections_accepted"] >= size - 1)) else [rendezvous]
     hvd.shutdown()
     return report
 

@@ -57,12 +57,14 @@ class _Totals:
 @dataclass
 class NegotiationCounters:
     """One rank's negotiation cycles, cached (the steady state) and coordinated (through rank
-    0's Coordinator) counted apart."""
+    0's Coordinator) counted apart, and the connections its ring's rendezvous took."""
 
     cached: _Totals = field(default_factory=_Totals)
     coordinated: _Totals = field(default_factory=_Totals)
     max_rounds: int = 0
     last: ScheduleCount = field(default_factory=ScheduleCount)
+    # What forming the ring cost this rank (`tcp.RendezvousCount.summary`), once per ring.
+    rendezvous: dict = field(default_factory=dict)
 
     def record(self, count: ScheduleCount, coordinated: bool, seconds: float) -> None:
         (self.coordinated if coordinated else self.cached).add(count, seconds)
@@ -75,4 +77,5 @@ class NegotiationCounters:
                 "coordinated_cycles": self.coordinated.cycles,
                 "max_rounds": self.max_rounds,
                 "cached": self.cached.per_cycle(),
-                "coordinated": self.coordinated.per_cycle()}
+                "coordinated": self.coordinated.per_cycle(),
+                "rendezvous": dict(self.rendezvous)}

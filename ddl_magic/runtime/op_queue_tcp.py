@@ -56,7 +56,7 @@ class TcpOpQueue(OpQueue):
         self._negotiator = LockstepNegotiator(transport.members, transport.position,
                                               self.world.run_ranks, fusion_threshold,
                                               cycle_time_s, stall_time_s, transport.op_timeout)
-        self.counters = NegotiationCounters()
+        self.counters = NegotiationCounters(rendezvous=transport.rendezvous.summary())
         # The coordination links served the rendezvous; negotiation runs over the hypercube,
         # so rank 0 gives back its N - 1 sockets.
         for channel in transport.coordination.values():

@@ -57,7 +57,7 @@ from .errors import PeerLostError
 from .negotiation import Request
 from .planes.hypercube import HypercubeLinks, links_to_open
 from .planes.shared_memory import HostGroup, Neighbour, Segment, supported
-from .planes.tcp import RingTransport
+from .planes.tcp import RendezvousCount, RingTransport
 from .settings import TRANSPORT_VARIABLE, Settings
 from .world import Peer, World, derive_world
 
@@ -161,6 +161,8 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
                                    if of == purpose}, op_timeout))
         for purpose, (left, _) in neighbours.items()
     }
+    opened = len(rights) + sum(len(connects) for connects, _ in hops.values()) + (world.rank != 0)
+    transports["ring"].rendezvous = RendezvousCount(opened, len(accepted))
     return transports["ring"], transports.get("cross")
 
 

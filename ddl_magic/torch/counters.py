@@ -18,8 +18,9 @@ from .process_sets import ProcessSet, global_process_set
 def negotiation_counters(process_set: ProcessSet = global_process_set) -> dict | None:
     """This rank's negotiation counters over `process_set`'s ring (the global one by default):
     cycles, cycles that went through rank 0, and per kind of cycle the messages and bytes
-    sent and received, rounds on the critical path and seconds, per cycle. None where the
-    ring negotiates through shared memory.
+    sent and received, rounds on the critical path and seconds, per cycle; and under
+    "rendezvous" the connections this rank opened and accepted to form the ring, and their
+    frames. None where the ring negotiates through shared memory.
 
     Example (two ranks over TCP, after a few steps of the same named gradients)::
 

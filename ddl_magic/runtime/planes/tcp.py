@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+from dataclasses import dataclass
 
 from ...wire.channel import Channel, PeerClosedError, peer_timeout_s, recv_exactly
 from ..errors import PeerLostError
@@ -45,6 +46,23 @@ _ALREADY_SENT = PendingSend()
 _ALREADY_SENT._done.set()
 
 
+@dataclass(frozen=True)
+class RendezvousCount:
+    """The connections this rank opened and accepted to form its ring (its cross ring's
+    included), each costing both ends the handshake's 3 frames and the rank's number."""
+
+    connections_opened: int = 0
+    connections_accepted: int = 0
+
+    FRAMES_PER_CONNECTION = 4
+
+    def summary(self) -> dict:
+        return {"connections_opened": self.connections_opened,
+                "connections_accepted": self.connections_accepted,
+                "frames": self.FRAMES_PER_CONNECTION * (self.connections_opened
+                                                        + self.connections_accepted)}
+
+
 class RingTransport:
     """One rank's place in a ring: `send_to_right`, `recv_from_left`, its `hypercube` links,
     and (on the main ring) the coordination links to rank 0.
@@ -65,6 +83,7 @@ class RingTransport:
         self.coordination = coordination  # rank 0: {rank: channel}; others: {0: channel}
         self.op_timeout = op_timeout
         self.hypercube = hypercube or HypercubeLinks(world, members, {}, op_timeout)
+        self.rendezvous = RendezvousCount()  # `rendezvous.connect_ring` fills it in
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         if right is not None:
