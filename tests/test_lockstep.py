@@ -146,3 +146,17 @@ def test_an_allgather_is_never_cached_and_always_asks_rank_0():
             n.add([Request("g", "allgather", torch.float32, (p + 1, 2))], float(step))
         outcome, _ = cycle(ranks, float(step))
         assert outcome.coordinated and outcome.cycle.responses[0].first_dims == (1, 2)
+
+
+def test_a_name_that_comes_back_with_a_shape_it_had_before_stays_cached():
+    # The ddl backend names a kind's collectives by call count modulo a window, so DDP's
+    # buckets of different sizes come back under one name with either shape, step after step.
+    ranks = negotiators(4)
+    coordinated = []
+    for step, shape in enumerate([(4,), (8,), (4,), (8,), (4,)]):
+        for n in ranks:
+            n.add([grad("allreduce.0", shape)], float(step))
+        outcome, _ = cycle(ranks, float(step))
+        assert [r.names for r in outcome.cycle.responses] == [("allreduce.0",)]
+        coordinated.append(outcome.coordinated)
+    assert coordinated == [True, True, False, False, False]

@@ -31,7 +31,11 @@ allgather, whose shapes vary, a join, an unnamed collective such as `hvd.barrier
 name is never seen again), a cached request that has waited on its rank half
 the stall time for the others (rank 0 then reports the stall and times it out, as
 before), and rank 0 holding names that some ranks submitted and others not yet. A loop that
-allreduces the same named tensors step after step takes step 4 on its first step only.
+allreduces the same named tensors step after step takes step 4 on its first step only; a
+name that comes with several shapes in turn (the `ddl` backend's names, counted modulo a
+window, under DDP's buckets) once per shape, since the cache holds each request it has seen.
+The price: ranks that submit one name with two shapes the cache both holds wait half the
+stall time before rank 0 names the mismatch, where a shape new to the cache goes to it at once.
 
 When a rank begins a cycle: once `cycle_time` has passed since it submitted something new
 (at once if a thread waits for it or it was fused by its caller), when a request of its

@@ -83,23 +83,29 @@ class VectorReducible:
 
 
 class ResponseCache:
-    """This rank's copy of the cache: id -> request, and each name's current id.
+    """This rank's copy of the cache: id -> request, and each request's id.
+
+    A name may hold several ids, one per shape (or dtype, or op) it came with: the `ddl`
+    backend names a kind's collectives by their count modulo a window, so DDP's buckets of
+    different sizes come back under one name with either size, step after step, and each
+    must stay a hit.
 
     >>> cache = ResponseCache()
     >>> grad = Request("grad", "allreduce", None, (4,))
-    >>> cache.update({0: grad})
-    >>> cache.hit(grad), cache.hit(grad._replace(shape=(5,))), cache.words
-    (0, None, 1)
+    >>> cache.update({0: grad, 1: grad._replace(shape=(5,))})
+    >>> cache.hit(grad), cache.hit(grad._replace(shape=(5,))), cache.hit(grad._replace(shape=(6,)))
+    (0, 1, None)
+    >>> cache.words
+    1
     """
 
     def __init__(self):
         self.requests: dict[int, Request] = {}
-        self._by_name: dict[str, int] = {}
+        self._ids: dict[Request, int] = {}
 
     def hit(self, request: Request) -> int | None:
         """The cache id of exactly this request, or None."""
-        cache_id = self._by_name.get(request.name)
-        return cache_id if cache_id is not None and self.requests[cache_id] == request else None
+        return self._ids.get(request)
 
     def encode(self, request: Request) -> "Request | int":
         """The request as it travels to rank 0: its cache id where it has one."""
@@ -109,7 +115,7 @@ class ResponseCache:
     def update(self, updates: dict[int, Request]) -> None:
         for cache_id, request in updates.items():
             self.requests[cache_id] = request
-            self._by_name[request.name] = cache_id
+            self._ids[request] = cache_id
 
     @property
     def words(self) -> int:
