@@ -74,6 +74,16 @@ def flat_rings() -> dict:
 
     for _ in range(3):  # a named tensor, again and again: cached after the first time
         hvd.allreduce(torch.ones(1), name="loss")
+    # an optimizer given no names names its parameters by position: cached from step 2
+    model = torch.nn.Linear(3, 2)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    coordinated = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        coordinated.append(hvd.negotiation_counters()["coordinated_cycles"])
+    report["unnamed parameters cached"] = [] if coordinated[1] == coordinated[2] else coordinated
     counters = hvd.negotiation_counters()  # every rank's cycles, as a user reads them
     cached = counters["cached"]
     report["counters"] = [] if (cached["cycles"] > 0 and 0 < cached["messages_received_per_cycle"] <= 6
