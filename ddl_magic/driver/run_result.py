@@ -93,7 +93,8 @@ class RunResult:
     restarts: list[GroupRestarted] = field(default_factory=list)
     # What the driver's control server did for this run (`control.ControlCounters.summary`):
     # connections, rendezvous messages (2 per rank), clock probes, liveness reports per
-    # second, its one thread. A restarted group's are its last start's.
+    # second, its one thread. A restarted group's are its last start's; a pool cell's, the
+    # pool's since it started.
     control: dict | None = None
 
     def __post_init__(self) -> None:
