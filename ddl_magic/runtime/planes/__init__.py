@@ -14,6 +14,9 @@
                         (`recursive_doubling.py`) over the ring's hypercube links
                         (`hypercube.py`) for allreduces below the switch point of
                         `cost_model.py`
+    TorchDistributedPlane  a torch.distributed group (`torch_distributed.py`): NCCL for CUDA
+                        buffers beside one of the planes above (`SplitByDevicePlane`), or
+                        gloo for every buffer, the CPU stand-in that tests the NCCL path
 
 A plane is given one flat buffer per collective: fusion, scaling, staging of GPU tensors and
 the timeline's labels are `CollectiveRunner`'s, so a new plane touches none of them. The
@@ -21,13 +24,13 @@ plane's `name` is what `context.current().transport` reports and the op queue is
 What a plane moves bytes over (the sockets, the mapped segments) is connected by
 `rendezvous.py` when the ring forms.
 
-Where a GPU plane plugs in: `gpu_memory` is how a plane offers device memory that the ranks
-reduce in directly. Within a host that is today part of the shared-memory plane: the same
-rounds run in GPU buffers mapped between the ranks through CUDA IPC (`peer_memory.py`). A
-plane that carries CUDA buffers across hosts (NCCL through `torch.distributed`, say) would
-be a module of its own here: it implements the four collectives on device buffers, answers
-`gpu_memory` for its device, and `choose_plane` picks it when every rank has a GPU;
-everything above it (fusion, staging, negotiation, the op queues) stays as it is.
+Where GPU buffers go. Within a host, `gpu_memory` is how the shared-memory plane offers
+device memory that the ranks reduce in directly: the same rounds run in GPU buffers mapped
+between the ranks through CUDA IPC (`peer_memory.py`). Where that cannot carry them (the
+ring leaves the host), `choose_plane` puts a torch.distributed plane on NCCL beside the host
+plane, and `device_types` tells `CollectiveRunner` that CUDA buffers then need no staging
+through host memory. A plane for another kind of device plugs in the same way: a group
+formed in `rendezvous.connect_device_group`, a plane that names its device type.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from .ring_plane import RingPlane
 from .shared_memory import HostGroup
 from .shared_memory_plane import SharedMemoryPlane
 from .tcp import RingTransport
+from .torch_distributed import DeviceGroup, SplitByDevicePlane, TorchDistributedPlane
 
 Bounds = list[tuple[int, int]]  # (start, end) of each rank's part of a flat buffer, rank order
 
@@ -55,7 +59,10 @@ class Labels(Protocol):
 class DataPlane(Protocol):
     """Moves one flat buffer between the ranks of a ring, in place."""
 
-    name: str  # "none" (a world of one), "tcp", "shm" or "shm+tcp"
+    name: str  # "none" (a world of one), "tcp", "shm", "shm+tcp", "gloo", or one of those + "+nccl"
+    device_types: frozenset[str]
+    """The device types whose buffers the plane moves itself; a buffer elsewhere is staged
+    through host memory (or, within a host, the peer-mapped `gpu_memory`)."""
     lockstep_group: HostGroup | None
     """The shared-memory group of every rank of the ring, where the plane is one: the op
     queue then negotiates in lockstep through its rounds, and a small allreduce's data rides
@@ -85,10 +92,22 @@ class DataPlane(Protocol):
 
 
 def choose_plane(transport: RingTransport, host_group: HostGroup | None,
-                 cross: RingTransport | None, algorithm: str = "auto") -> DataPlane:
+                 cross: RingTransport | None, device_group: DeviceGroup | None = None,
+                 algorithm: str = "auto") -> DataPlane:
     """The plane for what `init()` could connect: a host group holding every rank, a host
-    group and a ring across hosts, or the ring alone. `algorithm`: how TCP rings allreduce
-    (`DDL_MAGIC_ALLREDUCE_ALGORITHM`, `cost_model.py`)."""
+    group and a ring across hosts, or the ring alone; with a torch.distributed group, that
+    group for every buffer (gloo) or for the CUDA ones (NCCL). `algorithm`: how TCP rings
+    allreduce (`DDL_MAGIC_ALLREDUCE_ALGORITHM`, `cost_model.py`)."""
+    if device_group is not None and device_group.backend == "gloo":
+        return TorchDistributedPlane(device_group, transport.op_timeout, transport)
+    host = _host_plane(transport, host_group, cross, algorithm)
+    if device_group is None:
+        return host
+    return SplitByDevicePlane(host, TorchDistributedPlane(device_group, transport.op_timeout))
+
+
+def _host_plane(transport: RingTransport, host_group: HostGroup | None,
+                cross: RingTransport | None, algorithm: str) -> DataPlane:
     if host_group is not None and host_group.size == transport.world.size:
         return SharedMemoryPlane(host_group, transport)
     if host_group is not None and cross is not None:

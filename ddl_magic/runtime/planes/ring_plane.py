@@ -30,6 +30,7 @@ class RingPlane:
     recursive doubling for small allreduces. `algorithm`: `DDL_MAGIC_ALLREDUCE_ALGORITHM`."""
 
     lockstep_group = None  # the ring leaves the host (or is a world of one)
+    device_types = frozenset({"cpu"})  # CUDA buffers are staged through host memory
 
     def __init__(self, transport: RingTransport, algorithm: str = "auto"):
         self.transport = transport
