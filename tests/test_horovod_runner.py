@@ -22,6 +22,8 @@ def test_negative_np_runs_local_processes_and_returns_rank_0s_value():
     assert runner.run(allreduce_ranks, offset=1.0) == 3.0
     assert runner.last_run.where == "local processes"
     assert [r.status for r in runner.last_run.ranks] == ["done", "done"]
+    control = runner.last_run.control  # what the driver did: one thread, 2 messages a rank
+    assert control["threads"] == 1 and control["rendezvous_messages"] == 2 * 2
 
 
 @pytest.mark.parametrize("np", [0, 1.5, True])

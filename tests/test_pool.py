@@ -75,6 +75,10 @@ def test_start_shows_every_rank_and_the_ring_forms_once(pool):
     assert first.result == "(0, 2)"
     again = _cell(pool, "%%horovod --all-ranks\nhvd.init()\nid(c.current('x')) == ring")
     assert again.result == "[True, True]"
+    # what the driver did for the pool: one thread, Register and Start once per rank
+    control = _cell(pool, "import ddl_magic\nc = ddl_magic.last_run().control\n"
+                          "(c['threads'], c['rendezvous_messages'])")
+    assert control.result == "(1, 4)"
 
 
 def test_state_stays_on_the_ranks_between_cells(pool):

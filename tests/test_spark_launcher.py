@@ -87,6 +87,10 @@ def test_every_rank_allreduces_and_returns_its_value(spark, np):
     assert run.results == [(rank, np, total) for rank in range(np)]
     assert run.where == "Spark barrier tasks"
     assert [rank.status for rank in run.ranks] == ["done"] * np
+    # a barrier stage costs the driver a connection per rank and per task, served by one
+    # thread, and 2 rendezvous messages per rank (Register in, Start out)
+    assert run.control["connections"] == 2 * np and run.control["threads"] == 1
+    assert run.control["rendezvous_messages"] == 2 * np
 
 
 def test_more_ranks_than_task_slots_is_refused_at_once(spark):

@@ -126,6 +126,7 @@ class Job:
         self.launcher.stop()
         watcher.server.close()
         watcher.drain()
+        watcher.record.control = watcher.server.counters.summary()
 
     def _start_again(self, decision: Restart) -> None:
         """The whole group is stopped, as after any failure, then started again: its own

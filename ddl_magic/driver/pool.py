@@ -350,6 +350,7 @@ class Pool:
                                    else "the cell failed")
             self._server.end_cell()
             self._finish_cell(events, watcher, selected)
+            record.control = self._server.counters.summary()  # the pool's, since it started
 
         try:
             with ended_as(watcher, stop):

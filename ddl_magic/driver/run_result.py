@@ -91,6 +91,11 @@ class RunResult:
     # A run with max_restarts: each restart of its whole group, in order, with the failure
     # that caused it (`events.GroupRestarted`); empty when it never restarted.
     restarts: list[GroupRestarted] = field(default_factory=list)
+    # What the driver's control server did for this run (`control.ControlCounters.summary`):
+    # connections, rendezvous messages (2 per rank), clock probes, liveness reports per
+    # second, its one thread. A restarted group's are its last start's; a pool cell's, the
+    # pool's since it started.
+    control: dict | None = None
 
     def __post_init__(self) -> None:
         self.status = RunStatus(self.status)  # also given as its word: RunResult(..., status="done")

@@ -84,6 +84,7 @@ def init() -> Runtime:
                                      settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
+            _allow_open_files(world.size)
             _runtime = _runtime_over(world, rendezvous.connect(world, bootstrap.listener,
                                                                bootstrap.secret, settings),
                                      settings)
@@ -146,7 +147,7 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
                   settings: Settings) -> Runtime:
     # the plane is chosen once per ring (a process set's too)
     plane = choose_plane(connections.ring, connections.host_group, connections.cross,
-                         connections.device_group)
+                         connections.device_group, settings.allreduce_algorithm)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,
@@ -156,6 +157,23 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
         queue = TcpOpQueue(runner, connections.ring, settings.fusion_threshold,
                            settings.cycle_time_s, settings.stall_time_s)
     return Runtime(world, queue, plane.name)
+
+
+def _allow_open_files(size: int) -> None:
+    """Rank 0 holds a connection to every rank while the ring forms (`rendezvous.py`): at
+    1024 ranks that passes the usual soft limit of 1024 open files, so raise it to the hard
+    limit where that is needed and allowed."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = size + 256  # the ring's links, the hypercube's, and what the rank opens itself
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass  # connecting then says which connection could not be opened
 
 
 def _pin_gpu(local_rank: int) -> None:

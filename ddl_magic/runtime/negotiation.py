@@ -29,9 +29,11 @@ A name that some ranks submitted and others have not is reported as a stall afte
 (`DDL_MAGIC_TIMEOUT`) it has `expired`: the op queue then fails the collective on the ranks
 that wait for it, naming the ranks that never came (the stall report always comes first).
 
-The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone (`op_queue_tcp.py`); when
-every rank shares one host, every rank runs a replica of it, fed the same requests in the
-same order, and each takes its decisions itself (`op_queue_shm.py`).
+The `Coordinator` is pure logic. Over TCP it runs on rank 0 alone, for what the ranks'
+response caches cannot settle by themselves (`lockstep.py`: in a training loop's steady state
+a bitwise allreduce of the cache decides, and rank 0 hears nothing more); when every rank
+shares one host, every rank runs a replica of it, fed the same requests in the same order,
+and each takes its decisions itself (`op_queue_shm.py`).
 """
 
 from __future__ import annotations
@@ -199,8 +201,14 @@ class Coordinator:
         """The name of an announced item: a request, or the cache id of one."""
         return self._cache[item].name if type(item) is int else item.name
 
-    def submit(self, rank: int, requests: list["Request | int"], now: float) -> None:
-        """Record requests from `rank` (full requests, or cache ids of unchanged ones)."""
+    def submit(self, rank: int, requests: list["Request | int"], now: float,
+               since: float | None = None) -> None:
+        """Record requests from `rank` (full requests, or cache ids of unchanged ones).
+
+        `since`: when the rank submitted them, if before `now` (a request that waited on its
+        rank for the others before it came here): stalls and timeouts count from then.
+        """
+        since = now if since is None else min(since, now)
         for item in requests:
             request = self._cache[item] if isinstance(item, int) else item
             by_rank = self._submitted.setdefault(request.name, {})
@@ -212,8 +220,8 @@ class Coordinator:
                 )
             by_rank[rank] = request
             if len(by_rank) == 1:
-                self._waiting_since[request.name] = now
-                self._partial_since[request.name] = now
+                _insert_in_time_order(self._waiting_since, request.name, since)
+                _insert_in_time_order(self._partial_since, request.name, since)
             if request.kind == "join":
                 self._joined.append(rank)
                 for name in list(self._submitted):  # joined ranks may complete waiting names
@@ -233,6 +241,11 @@ class Coordinator:
         self._partial_since.pop(name, None)
         if self._ready_since is None:
             self._ready_since = now
+
+    @property
+    def has_outstanding(self) -> bool:
+        """Do some names wait here for ranks that have not submitted them (or joined)?"""
+        return bool(self._submitted) or bool(self._joined)
 
     def note_waited(self, names: list[str]) -> None:
         """Some rank is blocked in synchronize() on these names: don't hold them for fusion."""
@@ -271,36 +284,18 @@ class Coordinator:
         if not flush:
             return None
         cycle = Cycle(responses=[])
-        slots: list[Response | list[str]] = []  # a list is a fusion group still filling up
-        groups: dict[tuple, list[str]] = {}
-        group_bytes: dict[tuple, int] = {}
-        request_of: dict[str, Request] = {}
+        answered: list[tuple[Response, Request]] = []
         for name in self._ready:
             requests = self._submitted.pop(name)
             self._waited.discard(name)
             response = self._respond(name, requests)
-            request = request_of[name] = _any(requests)
+            request = _any(requests)
             if response.error is None:
                 self._remember(request, cycle)
-            if response.error is not None or response.kind != "allreduce":
-                slots.append(response)
-                continue
-            key = (request.dtype, request.op, request.prescale, request.postscale, request.device)
-            if key in groups and group_bytes[key] + request.nbytes <= self.fusion_threshold:
-                groups[key].append(name)
-                group_bytes[key] += request.nbytes
-            else:
-                groups[key] = [name]
-                group_bytes[key] = request.nbytes
-                slots.append(groups[key])
+            answered.append((response, request))
         self._ready.clear()
         self._ready_since = None
-        cycle.responses = [
-            Response("allreduce", tuple(slot),
-                     for_joined_ranks=tuple(request_of[n] for n in slot) if self._joined else ())
-            if isinstance(slot, list) else slot
-            for slot in slots
-        ]
+        cycle.responses = fuse(answered, self.fusion_threshold, bool(self._joined))
         return cycle
 
     def stall_warnings(self, now: float, reporter: int | None = None) -> list[str]:
@@ -405,6 +400,38 @@ class Coordinator:
         cycle.cache_updates[cache_id] = request
 
 
+def fuse(answered: list[tuple[Response, Request]], threshold: int,
+         joined: bool = False) -> list[Response]:
+    """The responses to run, in order: allreduces of the same dtype, op, scaling and device
+    fused into one response of at most `threshold` bytes (each group where its first
+    member was), everything else as it is. `joined`: some ranks have joined, and take part
+    with zeros of the shapes the responses carry.
+
+    >>> grad = lambda name: Request(name, "allreduce", torch.float32, (256,))
+    >>> [r.names for r in fuse([(Response("allreduce", (n,)), grad(n)) for n in "abc"], 2048)]
+    [('a', 'b'), ('c',)]
+    """
+    slots: list[Response | list[Request]] = []  # a list is a fusion group still filling up
+    groups: dict[tuple, list[Request]] = {}
+    group_bytes: dict[tuple, int] = {}
+    for response, request in answered:
+        if response.error is not None or response.kind != "allreduce":
+            slots.append(response)
+            continue
+        key = (request.dtype, request.op, request.prescale, request.postscale, request.device)
+        if key in groups and group_bytes[key] + request.nbytes <= threshold:
+            groups[key].append(request)
+            group_bytes[key] += request.nbytes
+        else:
+            groups[key] = [request]
+            group_bytes[key] = request.nbytes
+            slots.append(groups[key])
+    return [Response("allreduce", tuple(request.name for request in slot),
+                     for_joined_ranks=tuple(slot) if joined else ())
+            if isinstance(slot, list) else slot
+            for slot in slots]
+
+
 def _unnamed_hint(name: str) -> str:
     """For an operation named by call order (`allreduce.noname.7`): what went wrong, and the fix.
 
@@ -418,6 +445,17 @@ def _unnamed_hint(name: str) -> str:
             f"sequences of unnamed {kind} calls diverged at this call or before it (a rank made "
             "one more or one fewer, for instance after catching an exception). Pass name= to "
             "collectives so that ranks match them by name.")
+
+
+def _insert_in_time_order(since_by_name: dict[str, float], name: str, since: float) -> None:
+    """Add `name`, keeping the dict oldest first (`stall_warnings` and `expired` stop at the
+    first name too young); `since` is rarely older than the newest already there."""
+    newest = next(reversed(since_by_name.values()), -math.inf)
+    since_by_name[name] = since
+    if since < newest:
+        ordered = sorted(since_by_name.items(), key=lambda item: item[1])
+        since_by_name.clear()
+        since_by_name.update(ordered)
 
 
 def _any(requests: dict[int, Request]) -> Request:

@@ -7,8 +7,9 @@ depends on where they are:
 
 - `op_queue_shm.SharedMemoryOpQueue`: every rank on one host. Each rank decides for itself,
   from every rank's requests exchanged through shared memory, on whichever thread needs it;
-- `op_queue_tcp.TcpOpQueue`: anywhere else. A background thread per rank forwards requests
-  to rank 0, which decides and sends every rank the same cycle of responses.
+- `op_queue_tcp.TcpOpQueue`: anywhere else. A background thread per rank runs lockstep
+  cycles with the others over TCP (`lockstep.py`): a bitwise allreduce of the response
+  cache decides the steady state, rank 0's Coordinator the rest.
 
 Either way `OpQueue._execute` runs each agreed response with the `CollectiveRunner` and
 completes the handles.
@@ -24,6 +25,7 @@ import time
 import torch
 
 from .collectives import CollectiveRunner, Entry
+from .counters import NegotiationCounters
 from .errors import CollectiveMismatchError, HorovodInternalError
 from .negotiation import Cycle, Request, RequestCache, Response
 from .timeline import recorder
@@ -89,6 +91,8 @@ class OpQueue:
         # Set while a pool runs a cell on some ranks only: every collective is refused, with
         # this error, since the other ranks would never join it (`rank/cells.py`).
         self.refusal: BaseException | None = None
+        # What negotiating has cost this rank (`counters.py`), where it takes messages: over TCP.
+        self.counters: NegotiationCounters | None = None
         self._thread = threading.Thread(target=self._run, name="ddl-op-queue", daemon=True)
 
     # ---- the user's side --------------------------------------------------------------

@@ -1,17 +1,27 @@
-"""Negotiation through rank 0 over TCP: the op queue of ranks that do not share one host.
+"""Negotiation over TCP: the op queue of ranks that do not all share one host.
 
-One background thread per rank forwards new requests to rank 0, receives the agreed cycle
-of responses (see `negotiation.py`) and runs them with the `CollectiveRunner`, completing
-handles as it goes. Rank 0's background thread additionally runs the `Coordinator`.
+Every rank runs the same cycles in lockstep (`lockstep.py`): a bitwise allreduce of what
+each has pending over the hypercube's links (`planes/hypercube.py`), and, only when the
+response cache cannot answer, a trip up and down a binomial tree to rank 0's Coordinator.
+This module is the thread and the sockets around that pure logic.
 
-The thread sleeps in `select` on its sockets and a wake-up socket, so it costs nothing
-while idle and reacts immediately when a request arrives.
+Which thread touches what: one background thread per rank runs every cycle and executes
+what the cycle agreed on (with the `CollectiveRunner`), so only it touches the negotiator,
+`_pending` and the links. The user's threads only queue entries and waits under `_lock`
+(the base class's) and wake it through a socketpair.
 
-A collective that some ranks submit and others never do fails after the op timeout
-(`DDL_MAGIC_TIMEOUT`): rank 0's coordinator reports the stall, then tells every rank why
-(`CollectiveTimedOut`) and fails its own queue. A rank whose oldest collective got no word
-from rank 0 for longer than that (rank 0 stuck in native code, unable to coordinate) fails
-it by itself.
+The thread sleeps in `poll` on the wake-up socket and on its hypercube links, so it costs
+nothing while idle: a message on a link means a partner began a cycle, which this rank then
+joins; otherwise it begins one when its negotiator says so (`next_cycle_at`).
+
+Why every wait ends: inside a cycle each receive has the op timeout as its deadline, and a
+partner that never answers is named (`PeerLostError`). A collective that some ranks submit
+and others never do goes to rank 0's Coordinator, which reports the stall and times it out
+after `DDL_MAGIC_TIMEOUT` on every rank at once. A rank whose cycle fails tells its partners
+why (`HypercubeLinks.flood_abort`), and they tell theirs, so every rank fails with the same
+reason. A rank that shuts down tells its partners the same way, and leaves without waiting
+for anyone (a partner may be gone already): every rank's queue then refuses further work
+and names it.
 """
 
 from __future__ import annotations
@@ -21,35 +31,44 @@ import socket
 import sys
 import time
 
-from ..wire.messages import Abort, Bye, CollectiveTimedOut, CycleToRun, Submit
-from ..wire.channel import PeerClosedError
 from .collectives import CollectiveRunner
+from .counters import NegotiationCounters
 from .errors import CollectiveTimeoutError, HorovodInternalError, PeerLostError
-from .negotiation import Coordinator
+from .lockstep import CycleOutcome, LockstepNegotiator
 from .op_queue import Handle, OpQueue
+from .planes.hypercube import PeerAborted
 from .planes.tcp import RingTransport
+from .timeline import recorder
 
 
 class TcpOpQueue(OpQueue):
-    """Negotiates on a background thread, through rank 0's `Coordinator`."""
+    """Negotiates in lockstep cycles over the hypercube, on a background thread."""
 
     def __init__(self, runner: CollectiveRunner, transport: RingTransport, fusion_threshold: int,
                  cycle_time_s: float, stall_time_s: float):
         super().__init__(runner, transport.world)
         self.transport = transport
+        self._links = transport.hypercube
         self._woken = False
+        self._fused_queued = False  # under _lock: some work was fused by its caller
+        self._aborted = False
         self._wake_receiver, self._wake_sender = socket.socketpair()
-        self._coordinator = (
-            Coordinator(self.world.run_ranks, fusion_threshold, cycle_time_s, stall_time_s,
-                        transport.op_timeout)
-            if self.world.rank == 0 else None
-        )
+        self._negotiator = LockstepNegotiator(transport.members, transport.position,
+                                              self.world.run_ranks, fusion_threshold,
+                                              cycle_time_s, stall_time_s, transport.op_timeout)
+        self.counters = NegotiationCounters(rendezvous=transport.rendezvous.summary())
+        # The coordination links served the rendezvous; negotiation runs over the hypercube,
+        # so rank 0 gives back its N - 1 sockets.
+        for channel in transport.coordination.values():
+            channel.close()
+        transport.coordination.clear()
         self._thread.start()
 
     # ---- the user's side --------------------------------------------------------------
 
     def wait_for(self, handle: Handle) -> None:
-        """Tell rank 0 not to hold `handle` back for fusion, then sleep until it completes."""
+        """Say that a thread waits (no reason to hold it back for fusion), then sleep until
+        `handle` completes."""
         with self._lock:
             self._incoming.append(handle.name)
         self._wake()
@@ -69,6 +88,10 @@ class TcpOpQueue(OpQueue):
         self._wake_receiver.close()
         self._wake_sender.close()
 
+    def abort(self, error: BaseException) -> None:
+        self._aborted = True  # its partners are aborted too: nothing to tell them
+        super().abort(error)
+
     def _wake(self) -> None:
         with self._lock:
             if self._woken:
@@ -76,136 +99,77 @@ class TcpOpQueue(OpQueue):
             self._woken = True
         self._wake_sender.send(b"\0")
 
+    def _queued_locked(self, fused: bool) -> None:
+        self._fused_queued |= fused
+
     def _taken_locked(self) -> None:
         self._woken = False
 
     # ---- the background thread ----------------------------------------------------------
 
-    def _negotiate(self) -> None:
-        if self._coordinator is not None:
-            self._coordinate()
-        else:
-            self._follow()
-
     def _take_incoming(self):
         self._wake_receiver.recv(4096)
-        return super()._take_incoming()
+        with self._lock:
+            fused, self._fused_queued = self._fused_queued, False
+        entries, waited, closing = super()._take_incoming()
+        self._negotiator.add([entry.request for entry in entries], time.monotonic(),
+                             urgent=fused or bool(waited))
+        return entries, waited, closing
 
-    def _follow(self) -> None:
-        """Ranks other than 0: forward requests to rank 0, run the cycles it sends back."""
-        channel = self.transport.coordination[0]
-        while True:
-            readable, _, _ = select.select([self._wake_receiver, channel.sock], [], [],
-                                           self._until_coordinator_overdue())
-            if not readable:
-                raise CollectiveTimeoutError(
-                    f"rank {self.world.run_ranks[0]}, which coordinates collectives, has not "
-                    f"answered for {self._coordinator_deadline_s:g} s about the collectives "
-                    f"this rank waits for ({', '.join(map(repr, self._pending))}): it is alive "
-                    "but has not run Python code for that long (a native call holding its GIL)")
-            if self._wake_receiver in readable:
-                entries, waited, closing = self._take_incoming()
-                if entries or waited:
-                    self._send_to_rank_0(channel, Submit([self._cache.encode(e.request)
-                                                          for e in entries], waited))
-                if closing:
-                    self._send_to_rank_0(channel, Bye())
-                    return
-            if channel.sock in readable:
-                match self._recv(channel, 0):
-                    case Abort(reason):
-                        raise HorovodInternalError(reason)
-                    case CollectiveTimedOut(reason):
-                        raise CollectiveTimeoutError(reason)
-                    case CycleToRun(cycle):
-                        self._cache.update(cycle.cache_updates)
-                        self._execute(cycle)
-
-    @property
-    def _coordinator_deadline_s(self) -> float:
-        # Later than rank 0's own judgement (the op timeout), which names the absent ranks.
-        return self.transport.op_timeout * 1.2 + 2.0
-
-    def _until_coordinator_overdue(self) -> float | None:
-        """Seconds until rank 0 is overdue with an answer to this rank's oldest collective."""
-        if not self._pending:
-            return None
-        oldest_ns = min(entry.submitted_ns for entry in self._pending.values())
-        waited_s = (time.monotonic_ns() - oldest_ns) / 1e9
-        return max(0.0, self._coordinator_deadline_s - waited_s)
-
-    def _send_to_rank_0(self, channel, message) -> None:
+    def _negotiate(self) -> None:
         try:
-            channel.send(message)
-        except OSError as exc:
-            # Rank 0 closed the connection, most likely after saying why (its own shutdown,
-            # an abort): that message is still ours to read, and a better reason than EPIPE.
-            try:
-                channel.sock.settimeout(1.0)
-                last = channel.recv()
-                if isinstance(last, Abort):
-                    raise HorovodInternalError(last.reason) from exc
-            except (OSError, PeerClosedError, EOFError):
-                pass
-            raise PeerLostError(self.world.run_ranks[0], self.world.peers[0].host,
-                                "connection lost") from exc
-
-    def _coordinate(self) -> None:
-        """Rank 0: collect every rank's requests, decide cycles, send them out and run them."""
-        followers = dict(self.transport.coordination)  # rank -> channel
-        try:
-            self._coordinate_followers(followers)
-        except BaseException as exc:  # every rank must learn why, or its handles would wait forever
-            reason = str(exc) if isinstance(exc, HorovodInternalError) else f"rank 0: {exc}"
-            for channel in followers.values():
-                try:
-                    channel.send(Abort(reason))
-                except OSError:
-                    pass
+            self._cycles()
+        except PeerAborted as exc:  # pass it on: every rank learns the first reason
+            self._links.flood_abort(str(exc))
+            raise HorovodInternalError(str(exc)) from None
+        except BaseException as exc:
+            if not self._aborted:
+                self._links.flood_abort(str(exc) if isinstance(exc, HorovodInternalError)
+                                        else f"rank {self.world.run_ranks[self.world.rank]}: {exc!r}")
             raise
 
-    def _coordinate_followers(self, followers: dict) -> None:
-        coordinator = self._coordinator
-        by_socket = {channel.sock: rank for rank, channel in followers.items()}
+    def _cycles(self) -> None:
+        negotiator, links = self._negotiator, self._links
+        # poll, not select: at a thousand ranks, descriptors pass select's limit of 1024
+        watched = select.poll()
+        for sock in (self._wake_receiver, *links.readable()):
+            watched.register(sock, select.POLLIN)
+        wake = self._wake_receiver.fileno()
         while True:
-            deadline = coordinator.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable, _, _ = select.select([self._wake_receiver, *by_socket], [], [], timeout)
+            at = negotiator.next_cycle_at()
+            timeout_ms = None if at is None else max(0.0, at - time.monotonic()) * 1000
+            readable = {fd for fd, _ in watched.poll(timeout_ms)}
+            if wake in readable and self._take_incoming()[2]:
+                if self.world.size > 1:  # the partners learn it, and tell theirs
+                    links.flood_abort(str(PeerLostError(
+                        self.world.run_ranks[self.world.rank],
+                        self.world.peers[self.world.rank].host, "it has shut down")))
+                return
             now = time.monotonic()
-            for sock in readable:
-                if sock is self._wake_receiver:
-                    entries, waited, closing = self._take_incoming()
-                    coordinator.submit(0, [e.request for e in entries], now)
-                    coordinator.note_waited(waited)
-                    if closing:
-                        for channel in followers.values():
-                            channel.send(Abort("rank 0 has shut down"))
-                        return
-                    continue
-                rank = by_socket[sock]
-                match self._recv(followers[rank], rank):
-                    case Bye():
-                        raise PeerLostError(self.world.run_ranks[rank],
-                                            self.world.peers[rank].host, "it has shut down")
-                    case Submit(requests, waited):
-                        coordinator.submit(rank, requests, now)
-                        coordinator.note_waited(waited)
-            for warning in coordinator.stall_warnings(now):
+            partner_began = bool(readable - {wake})
+            at = negotiator.next_cycle_at()
+            if not (partner_began or (at is not None and at <= now)):
+                continue
+            outcome = self._cycle(now)
+            for warning in outcome.warnings:
                 print(f"ddl_magic warning: {warning}", file=sys.stderr, flush=True)
-            if expired := coordinator.expired(now):
-                reason = next(iter(expired.values()))
-                for channel in followers.values():
-                    channel.send(CollectiveTimedOut(reason))
-                raise CollectiveTimeoutError(reason)
-            cycle = coordinator.take_cycle(now)
-            if cycle is not None:
-                for channel in followers.values():
-                    channel.send(CycleToRun(cycle))
-                self._execute(cycle)
+            if outcome.timed_out is not None:
+                raise CollectiveTimeoutError(outcome.timed_out)
+            self._execute(outcome.cycle)
 
-    def _recv(self, channel, rank: int):
-        try:
-            return channel.recv()
-        except (OSError, PeerClosedError, EOFError) as exc:
-            raise PeerLostError(self.world.run_ranks[rank], self.world.peers[rank].host,
-                                "connection lost") from exc
+    def _cycle(self, now: float) -> CycleOutcome:
+        started_ns = time.monotonic_ns()
+        outcome = self._links.run(self._negotiator.cycle(now))
+        ended_ns = time.monotonic_ns()
+        count = self._links.count
+        self.counters.record(count, outcome.coordinated, (ended_ns - started_ns) / 1e9)
+        if recorder.enabled:
+            recorder.record("negotiation_cycle",
+                            "coordinated" if outcome.coordinated else "cached", started_ns,
+                            ended_ns, {"messages_sent": count.messages_sent,
+                                       "messages_received": count.messages_received,
+                                       "bytes_sent": count.bytes_sent,
+                                       "bytes_received": count.bytes_received,
+                                       "rounds": count.rounds,
+                                       "responses": len(outcome.cycle.responses)})
+        return outcome

@@ -3,9 +3,11 @@
 Forming a ring, at `init()` and for each process set, is `connect`:
 
 1. `connect_ring`: TCP. Each rank connects to its right neighbour (and, where hierarchical
-   allreduce runs, to its right neighbour in its cross ring) and, except rank 0, to rank 0
-   for the coordination links; it accepts the connections from its left neighbours (and,
-   on rank 0, every other rank's). Every connection proves the run's secret first.
+   allreduce runs, to its right neighbour in its cross ring), to its hypercube partners at
+   lower positions (`planes/hypercube.py`: at most ⌈log2 N⌉ in all) and, except rank 0, to
+   rank 0 for the coordination links; it accepts the connections from its left neighbours,
+   its partners at higher positions (and, on rank 0, every other rank's coordination link,
+   used while the ring forms). Every connection proves the run's secret first.
 2. `connect_host_group`: shared memory. The ranks of one host map each other's segments,
    where that is wanted and works on every host.
 3. `connect_device_group`: a torch.distributed group (NCCL, or gloo standing in for it),
@@ -56,9 +58,10 @@ from ..wire.channel import HANDSHAKE_TIMEOUT_S, AuthenticationError, Channel, Pe
 from .agreement import Exchange, gather
 from .errors import PeerLostError
 from .negotiation import Request
+from .planes.hypercube import HypercubeLinks, links_to_open
 from .planes.shared_memory import HostGroup, Neighbour, Segment, supported
 from .planes import torch_distributed
-from .planes.tcp import RingTransport
+from .planes.tcp import RendezvousCount, RingTransport
 from .settings import TRANSPORT_VARIABLE, Settings
 from .world import Peer, World, derive_world
 
@@ -123,7 +126,9 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
     deadline = time.monotonic() + timeout
     rings = {"ring": ring, "cross": world.cross_ring_order()} if cross else {"ring": ring}
     neighbours = {purpose: _neighbours(world.rank, members) for purpose, members in rings.items()}
+    hops = {purpose: links_to_open(world.rank, members) for purpose, members in rings.items()}
     expected = {(purpose, left) for purpose, (left, _) in neighbours.items()}
+    expected |= {(f"{purpose}-hop", rank) for purpose, (_, accepts) in hops.items() for rank in accepts}
     if world.rank == 0:
         expected |= {("coord", r) for r in range(1, world.size)}
     accepted: dict[tuple[str, int], Channel] = {}
@@ -143,6 +148,8 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
         return channel
 
     rights = {purpose: connect(right, purpose) for purpose, (_, right) in neighbours.items()}
+    hop_links = {(purpose, rank): connect(rank, f"{purpose}-hop").sock
+                 for purpose, (connects, _) in hops.items() for rank in connects}
     coordination = {} if world.rank == 0 else {0: connect(0, "coord")}
     acceptor.join(max(0.0, deadline - time.monotonic()))
     missing = expected - accepted.keys()
@@ -152,12 +159,20 @@ def connect_ring(world: World, listener: socket.socket, secret: bytes, timeout: 
                             f"did not open its {kind} connection within {timeout:.0f} s")
     if world.rank == 0:
         coordination = {rank: accepted[("coord", rank)] for rank in range(1, world.size)}
+    for (purpose, rank), channel in accepted.items():
+        if purpose.endswith("-hop"):
+            hop_links[purpose[:-len("-hop")], rank] = channel.sock
     transports = {
         purpose: RingTransport(world, rings[purpose], rights[purpose].sock,
                                accepted[(purpose, left)].sock,
-                               coordination if purpose == "ring" else {}, op_timeout)
+                               coordination if purpose == "ring" else {}, op_timeout,
+                               HypercubeLinks(world, rings[purpose], {
+                                   rank: sock for (of, rank), sock in hop_links.items()
+                                   if of == purpose}, op_timeout))
         for purpose, (left, _) in neighbours.items()
     }
+    opened = len(rights) + sum(len(connects) for connects, _ in hops.values()) + (world.rank != 0)
+    transports["ring"].rendezvous = RendezvousCount(opened, len(accepted))
     return transports["ring"], transports.get("cross")
 
 
@@ -179,7 +194,8 @@ def _accept_expected(listener: socket.socket, secret: bytes, expected: set, acce
 
     def authenticate(sock: socket.socket) -> None:
         try:
-            channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord"},
+            channel, purpose = Channel.accept(sock, secret, {"ring", "cross", "coord", "ring-hop",
+                                                             "cross-hop"},
                                               min(HANDSHAKE_TIMEOUT_S, max(0.1, deadline - time.monotonic())))
         except (OSError, AuthenticationError, PeerClosedError):
             return  # refused: it does not count, and the run goes on

@@ -32,6 +32,28 @@ def transport_choice(value: str | None = None) -> str:
     return choice
 
 
+ALGORITHM_VARIABLE = "DDL_MAGIC_ALLREDUCE_ALGORITHM"
+ALGORITHM_CHOICES = ("auto", "ring", "recursive_doubling")
+
+
+def allreduce_algorithm(value: str | None = None) -> str:
+    """`DDL_MAGIC_ALLREDUCE_ALGORITHM` (or `value`): how a TCP ring allreduces. auto: recursive
+    doubling for small buffers, the ring for large ones (the switch point of
+    `planes/cost_model.py`); ring or recursive_doubling: always that one.
+
+    >>> allreduce_algorithm(" Ring ")
+    'ring'
+    """
+    if value is None:
+        value = os.environ.get(ALGORITHM_VARIABLE, "")
+    choice = value.strip().lower() or "auto"
+    if choice not in ALGORITHM_CHOICES:
+        raise ValueError(f"{ALGORITHM_VARIABLE}={value!r} is not one of "
+                         f"{', '.join(ALGORITHM_CHOICES)}: auto picks recursive doubling for "
+                         "small allreduces and the ring for large ones")
+    return choice
+
+
 def torch_plane_choice(value: str | None = None) -> str:
     """`DDL_MAGIC_TORCH_PLANE` (or `value`): which buffers go through a torch.distributed
     group (`planes/torch_distributed.py`): auto, nccl, gloo or off.
@@ -60,6 +82,7 @@ class Settings:
     timeout_s: float
     transport: str  # DDL_MAGIC_TRANSPORT: auto, tcp or shm
     hierarchical: bool  # HOROVOD_HIERARCHICAL_ALLREDUCE, on unless set to 0
+    allreduce_algorithm: str = "auto"  # DDL_MAGIC_ALLREDUCE_ALGORITHM: auto, ring, recursive_doubling
     torch_plane: str = "auto"  # DDL_MAGIC_TORCH_PLANE: auto, nccl, gloo or off
 
     @classmethod
@@ -85,5 +108,6 @@ class Settings:
             transport=transport_choice(),
             hierarchical=os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
             not in ("0", "false", "no", "off"),
+            allreduce_algorithm=allreduce_algorithm(),
             torch_plane=torch_plane_choice(),
         )

@@ -53,6 +53,10 @@ LANES: tuple[Lane, ...] = (
     # Every collective, from its submission until every rank has submitted it: waiting for
     # the slowest rank (runtime/op_queue.py).
     Lane("negotiate", "wait", "#fb8c00"),
+    # Each negotiation cycle over TCP, "cached" or "coordinated", with the messages, bytes
+    # and rounds it cost this rank in its args (runtime/op_queue_tcp.py). Not counted: the
+    # negotiate lane counts that time already.
+    Lane("negotiation_cycle", "other", "#ffb74d"),
     # An allreduce whose tensors are copied into one buffer (several fused, or one on a GPU):
     # copying them in (runtime/collectives.py).
     Lane("pack", "compute", "#6d4c41"),
@@ -66,6 +70,9 @@ LANES: tuple[Lane, ...] = (
     # Each step of a ring phase: which chunk went to whom. Not counted: its phase counts
     # that time already.
     Lane("ring_step", "other", "#222a2a"),
+    # An allreduce small enough for recursive doubling over the TCP ring's hypercube links
+    # instead of the ring's two phases (runtime/planes/ring_plane.py).
+    Lane("recursive_doubling", "communicate", "#8e24aa"),
     # A broadcast over the TCP ring (runtime/planes/).
     Lane("broadcast", "communicate", "#00acc1"),
     # The fusion buffer copied back into the tensors a "pack" packed (runtime/collectives.py).

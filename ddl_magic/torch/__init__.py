@@ -20,6 +20,7 @@ from . import backend as _backend
 from .capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
                            mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
 from .compression import Compression
+from .counters import negotiation_counters
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
@@ -56,4 +57,5 @@ __all__ = [
     "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "SyncBatchNorm",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "start_timeline", "stop_timeline", "timeline_span", "HorovodInternalError", "elastic",
+    "negotiation_counters",
 ]

@@ -230,7 +230,9 @@ def _predivided(factor: float) -> tuple[float, float]:
 def _parameter_names(params: list[torch.Tensor],
                      named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[torch.Tensor, str]:
     if named_parameters is None:
-        return {p: f"noname.{i}" for i, p in enumerate(params)}
+        # Named by position, the same every step, so the response cache keeps them: not
+        # "noname.", which marks a one-off name counted by call order (`ops.py`).
+        return {p: f"parameter.{i}" for i, p in enumerate(params)}
     named = list(named_parameters)
     names = {p: name for name, p in named}
     if len(set(names.values())) != len(named):

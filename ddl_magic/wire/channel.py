@@ -113,21 +113,33 @@ def frame(data: bytes) -> bytes:
 
 
 class FrameBuffer:
-    """Frames out of a stream read in pieces of any size (a pipe, read as it becomes
-    readable): feed it what arrived, get back the frames now complete."""
+    """Frames out of a stream read in pieces of any size (a pipe, or a socket read as it
+    becomes readable): feed it what arrived, get back the frames now complete. `limit`: the
+    largest frame accepted (AuthenticationError past it), for a peer not yet authenticated.
 
-    def __init__(self):
-        self._buffer = b""
+    >>> buffer = FrameBuffer()
+    >>> whole = frame(b"hello") + frame(b"")
+    >>> buffer.feed(whole[:7]), buffer.feed(whole[7:])
+    ([], [b'hello', b''])
+    """
+
+    def __init__(self, limit: int | None = None):
+        self._buffer = bytearray()
+        self.limit = limit
 
     def feed(self, chunk: bytes) -> list[bytes]:
         self._buffer += chunk
         frames = []
-        while len(self._buffer) >= _LENGTH.size:
-            (length,) = _LENGTH.unpack_from(self._buffer)
-            if len(self._buffer) < _LENGTH.size + length:
+        start = 0
+        while len(self._buffer) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer, start)
+            if self.limit is not None and length > self.limit:
+                raise AuthenticationError(f"frame of {length} bytes refused (limit {self.limit})")
+            if len(self._buffer) - start < _LENGTH.size + length:
                 break
-            frames.append(self._buffer[_LENGTH.size:_LENGTH.size + length])
-            self._buffer = self._buffer[_LENGTH.size + length:]
+            frames.append(bytes(self._buffer[start + _LENGTH.size:start + _LENGTH.size + length]))
+            start += _LENGTH.size + length
+        del self._buffer[:start]
         return frames
 
 
@@ -165,17 +177,37 @@ def _proof(secret: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, role + b"|" + b"|".join(parts), hashlib.sha256).digest()
 
 
+class ServerHandshake:
+    """The server's side of the handshake in two steps, for a server that serves many
+    connections from one thread (`driver/control.py`): send `hello()`, then hand the
+    client's answer frame to `answer`, which returns the purpose it proved and the proof
+    frame to send back, or raises AuthenticationError."""
+
+    def __init__(self, secret: bytes, purposes: set[str]):
+        self._secret, self._purposes = secret, purposes
+        self._nonce = os.urandom(_NONCE_BYTES)
+
+    def hello(self) -> bytes:
+        return frame(self._nonce)
+
+    def answer(self, answer: bytes) -> tuple[str, bytes]:
+        nonce_c, proof, purpose = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:64], answer[64:]
+        if purpose.decode(errors="replace") not in self._purposes or not hmac.compare_digest(
+            proof, _proof(self._secret, b"client", self._nonce, nonce_c, purpose)
+        ):
+            raise AuthenticationError("peer did not prove the run's secret")
+        return purpose.decode(), frame(_proof(self._secret, b"server", nonce_c, self._nonce, purpose))
+
+
+HANDSHAKE_FRAME_LIMIT = _HANDSHAKE_FRAME_LIMIT
+
+
 def _handshake_as_server(sock: socket.socket, secret: bytes, purposes: set[str]) -> str:
-    nonce_s = os.urandom(_NONCE_BYTES)
-    _send_frame(sock, nonce_s)
-    answer = _recv_frame(sock, limit=_HANDSHAKE_FRAME_LIMIT)
-    nonce_c, proof, purpose = answer[:_NONCE_BYTES], answer[_NONCE_BYTES:64], answer[64:]
-    if purpose.decode(errors="replace") not in purposes or not hmac.compare_digest(
-        proof, _proof(secret, b"client", nonce_s, nonce_c, purpose)
-    ):
-        raise AuthenticationError("peer did not prove the run's secret")
-    _send_frame(sock, _proof(secret, b"server", nonce_c, nonce_s, purpose))
-    return purpose.decode()
+    handshake = ServerHandshake(secret, purposes)
+    sock.sendall(handshake.hello())
+    purpose, proof = handshake.answer(_recv_frame(sock, limit=_HANDSHAKE_FRAME_LIMIT))
+    sock.sendall(proof)
+    return purpose
 
 
 def _handshake_as_client(sock: socket.socket, secret: bytes, purpose: str) -> str:
@@ -242,7 +274,10 @@ class Channel:
         return cls(sock), purpose
 
     def send(self, message: object) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send_pickled(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_pickled(self, data: bytes) -> None:
+        """Send a message pickled once for many channels (the same Start to every rank)."""
         with self._send_lock:
             _send_frame(self.sock, data)
 

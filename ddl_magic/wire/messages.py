@@ -12,8 +12,8 @@ Who sends what:
     driver ──► rank      NextWorld, RunCannotGoOn, HostsUpdated
     task ──► driver      TaskStarted, TaskAlive, TaskOutput, TaskExited
                          (what started the rank, e.g. a Spark task)
-    rank ──► rank 0      Submit, Bye   (negotiation over TCP, `op_queue_tcp.py`)
-    rank 0 ──► ranks     CycleToRun, Abort, CollectiveTimedOut
+    rank ──► rank 0      Announcement  (negotiation over TCP when the cache cannot answer,
+    rank 0 ──► ranks     Decision       up and down a binomial tree: `runtime/lockstep.py`)
     driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
     factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `rank/factory.py`)
     driver ──► pool rank FormRing, RunCell, CancelCell, Pull, Probe   (a pool, `rank/cells.py`:
@@ -313,35 +313,26 @@ class ProbeReply:
     uptime_s: float
 
 
-# ---- negotiation (rank 0 coordinates the others over TCP) --------------------------------------
+# ---- negotiation over TCP, when the response cache cannot answer (`runtime/lockstep.py`) ------
 
 
 @dataclass(frozen=True, slots=True)
-class Submit:
-    """Requests submitted since the last message (cache ids for known ones), and the names
-    some thread of this rank now waits for."""
+class Announcement:
+    """One rank's pending requests that its cache could not settle this cycle (cache ids for
+    known ones), and how long each has waited on that rank, in seconds."""
 
+    rank: int
     requests: list
-    waited: list
+    waited_s: list
 
 
 @dataclass(frozen=True, slots=True)
-class Bye:
-    """This rank has shut down."""
-
-
-@dataclass(frozen=True, slots=True)
-class CycleToRun:
-    """What every rank runs next, in this order."""
+class Decision:
+    """Rank 0's answer to a cycle's announcements: what every rank runs next, in this order
+    (with new cache ids), or why a collective that some ranks never submitted timed out."""
 
     cycle: object  # negotiation.Cycle
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveTimedOut:
-    """A collective waited past `DDL_MAGIC_TIMEOUT` for ranks that never submitted it."""
-
-    reason: str
+    timed_out: str | None = None
 
 
 # ---- the local rank factory (a pipe only the driver holds, `rank/factory.py`) ------------------

@@ -10,7 +10,10 @@
                         allgather within the host: 1/local_size of the bytes cross between
                         hosts); its other collectives use the whole ring
     RingPlane           the TCP ring (`ring_plane.py`): the algorithm of `ring.py` over the
-                        sockets of `tcp.py`, ordered host by host
+                        sockets of `tcp.py`, ordered host by host, and recursive doubling
+                        (`recursive_doubling.py`) over the ring's hypercube links
+                        (`hypercube.py`) for allreduces below the switch point of
+                        `cost_model.py`
     TorchDistributedPlane  a torch.distributed group (`torch_distributed.py`): NCCL for CUDA
                         buffers beside one of the planes above (`SplitByDevicePlane`), or
                         gloo for every buffer, the CPU stand-in that tests the NCCL path
@@ -89,22 +92,24 @@ class DataPlane(Protocol):
 
 
 def choose_plane(transport: RingTransport, host_group: HostGroup | None,
-                 cross: RingTransport | None, device_group: DeviceGroup | None = None) -> DataPlane:
+                 cross: RingTransport | None, device_group: DeviceGroup | None = None,
+                 algorithm: str = "auto") -> DataPlane:
     """The plane for what `init()` could connect: a host group holding every rank, a host
     group and a ring across hosts, or the ring alone; with a torch.distributed group, that
-    group for every buffer (gloo) or for the CUDA ones (NCCL)."""
+    group for every buffer (gloo) or for the CUDA ones (NCCL). `algorithm`: how TCP rings
+    allreduce (`DDL_MAGIC_ALLREDUCE_ALGORITHM`, `cost_model.py`)."""
     if device_group is not None and device_group.backend == "gloo":
         return TorchDistributedPlane(device_group, transport.op_timeout, transport)
-    host = _host_plane(transport, host_group, cross)
+    host = _host_plane(transport, host_group, cross, algorithm)
     if device_group is None:
         return host
     return SplitByDevicePlane(host, TorchDistributedPlane(device_group, transport.op_timeout))
 
 
 def _host_plane(transport: RingTransport, host_group: HostGroup | None,
-                cross: RingTransport | None) -> DataPlane:
+                cross: RingTransport | None, algorithm: str) -> DataPlane:
     if host_group is not None and host_group.size == transport.world.size:
         return SharedMemoryPlane(host_group, transport)
     if host_group is not None and cross is not None:
-        return HierarchicalPlane(host_group, cross, transport)
-    return RingPlane(transport)
+        return HierarchicalPlane(host_group, cross, transport, algorithm)
+    return RingPlane(transport, algorithm)

@@ -2,7 +2,9 @@
 the same number of ranks each: reduce-scatter within the host through shared memory, the
 ring across hosts on each rank's part (the *cross ring*: the ranks with this rank's
 local_rank, one per host), allgather within the host. Only 1/local_size of the bytes cross
-between hosts. Its other collectives use the whole TCP ring, as `RingPlane` runs them."""
+between hosts; a part small enough crosses by recursive doubling instead of the ring, as
+`RingPlane` chooses for any ring. Its other collectives use the whole TCP ring, as
+`RingPlane` runs them."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import torch
 
 from ... import kernels
 from ..reduce_ops import ReduceOp
-from .ring import ring_allreduce
-from .ring_plane import RingPlane, ring_observer
+from .cost_model import allreduce_switch_bytes
+from .ring_plane import RingPlane, allreduce_over
 from .shared_memory import HostGroup
 from .tcp import RingTransport
 
@@ -25,18 +27,20 @@ class HierarchicalPlane(RingPlane):
     """Shared memory within each host, the ring across hosts: for allreduce, whose bytes
     cross between hosts only once per host; the other collectives use the whole ring."""
 
-    def __init__(self, host_group: HostGroup, cross: RingTransport, transport: RingTransport):
-        super().__init__(transport)
+    def __init__(self, host_group: HostGroup, cross: RingTransport, transport: RingTransport,
+                 algorithm: str = "auto"):
+        super().__init__(transport, algorithm)
         self.name = "shm+tcp"
         self.host_group = host_group
         self.cross = cross
+        self.cross_switch_bytes = allreduce_switch_bytes(algorithm, cross.size, cross.size)
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
-        observer = ring_observer(labels, self.cross)
-        scratch, reduce = self._scratch.of(buffer.dtype), kernels.reducer(op.kernel_name, buffer)
+        reduce = kernels.reducer(op.kernel_name, buffer)
 
         def across_hosts(part: torch.Tensor) -> None:
-            ring_allreduce(part, self.cross, reduce, scratch, observer)
+            allreduce_over(self.cross, part, reduce, self._scratch, labels,
+                           self.cross_switch_bytes)
 
         with labels.span("shared_memory", op="hierarchical allreduce",
                          size=self.transport.world.size):

@@ -1,5 +1,9 @@
 """The TCP ring as a data plane: `ring.py`'s algorithms over `tcp.py`'s sockets, each phase
-and step observed for the timeline (`RingObserver`), so the algorithm itself never sees it."""
+and step observed for the timeline (`RingObserver`), so the algorithm itself never sees it;
+and, for allreduces small enough that the ring's 2(N-1) steps of latency cost more than
+its bandwidth saves, recursive doubling over the ring's hypercube links
+(`recursive_doubling.py`; where the switch lies: `cost_model.py`). A process set's ring and
+the cross ring of a hierarchical allreduce are rings too, and choose the same way."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 from ... import kernels
 from ..reduce_ops import ReduceOp
 from ..timeline import recorder
+from .cost_model import allreduce_switch_bytes
+from .recursive_doubling import recursive_doubling_allreduce
 from .ring import (SEGMENT_BYTES, UNOBSERVED, RingObserver, ring_allgather, ring_allreduce,
                    ring_broadcast, ring_reduce_scatter)
 from .tcp import RingTransport
@@ -20,19 +26,24 @@ if TYPE_CHECKING:
 
 
 class RingPlane:
-    """The TCP ring: `ring.py`'s algorithms, each step observed for the timeline."""
+    """The TCP ring: `ring.py`'s algorithms, each step observed for the timeline, and
+    recursive doubling for small allreduces. `algorithm`: `DDL_MAGIC_ALLREDUCE_ALGORITHM`."""
 
     lockstep_group = None  # the ring leaves the host (or is a world of one)
     device_types = frozenset({"cpu"})  # CUDA buffers are staged through host memory
 
-    def __init__(self, transport: RingTransport):
+    def __init__(self, transport: RingTransport, algorithm: str = "auto"):
         self.transport = transport
         self.name = "none" if transport.world.size == 1 else "tcp"
         self._scratch = _Scratch()
+        self.algorithm = algorithm
+        # Recursive doubling up to this many bytes (the ring's size is fixed: decided once).
+        self.switch_bytes = allreduce_switch_bytes(algorithm, transport.size,
+                                                   len(transport.world.hosts))
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp, labels: Labels) -> None:
-        ring_allreduce(buffer, self.transport, kernels.reducer(op.kernel_name, buffer),
-                       self._scratch.of(buffer.dtype), ring_observer(labels, self.transport))
+        allreduce_over(self.transport, buffer, kernels.reducer(op.kernel_name, buffer),
+                       self._scratch, labels, self.switch_bytes)
 
     def reduce_scatter(self, buffer: torch.Tensor, parts: Bounds, op: ReduceOp,
                        labels: Labels) -> None:
@@ -58,16 +69,30 @@ class RingPlane:
         self.transport.close()
 
 
+def allreduce_over(transport: RingTransport, buffer: torch.Tensor, reduce, scratch: "_Scratch",
+                   labels: Labels, switch_bytes: int) -> None:
+    """Allreduce `buffer` over the ring of `transport`: recursive doubling up to
+    `switch_bytes` (the cost model's switch point for this ring), the ring above it."""
+    if _nbytes(buffer) <= switch_bytes and transport.size > 1:
+        with labels.span("recursive_doubling", size=transport.size):
+            recursive_doubling_allreduce(buffer, transport.hypercube, reduce,
+                                         scratch.of(buffer.dtype, buffer.numel()))
+    else:
+        ring_allreduce(buffer, transport, reduce, scratch.of(buffer.dtype),
+                       ring_observer(labels, transport))
+
+
 class _Scratch:
-    """One ring segment's scratch buffer per dtype, reused between calls."""
+    """One ring segment's scratch buffer per dtype, reused between calls (grown where
+    recursive doubling receives a whole buffer at once)."""
 
     def __init__(self):
         self._by_dtype: dict[torch.dtype, torch.Tensor] = {}
 
-    def of(self, dtype: torch.dtype) -> torch.Tensor:
+    def of(self, dtype: torch.dtype, numel: int = 0) -> torch.Tensor:
         scratch = self._by_dtype.get(dtype)
-        if scratch is None:
-            scratch = torch.empty(max(1, SEGMENT_BYTES // dtype.itemsize), dtype=dtype)
+        if scratch is None or scratch.numel() < numel:
+            scratch = torch.empty(max(1, SEGMENT_BYTES // dtype.itemsize, numel), dtype=dtype)
             self._by_dtype[dtype] = scratch
         return scratch
 

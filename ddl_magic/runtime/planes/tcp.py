@@ -1,6 +1,7 @@
 """A rank's place in a TCP ring: one socket to the right ring neighbour, one from the left,
-and (on the run's ring) the coordination links to rank 0, all connected and authenticated
-by `rendezvous.connect_ring`.
+its hypercube links (`hypercube.py`: the partners one bit of position away, for small
+allreduces and the negotiation's cycles) and, on the run's ring while it forms, the
+coordination links to rank 0, all connected and authenticated by `rendezvous.connect_ring`.
 
 The ring needs full duplex: while a rank receives a chunk from its left neighbour it is
 sending another chunk to its right one. Receiving happens on the caller's thread; sending
@@ -14,10 +15,12 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+from dataclasses import dataclass
 
 from ...wire.channel import Channel, PeerClosedError, peer_timeout_s, recv_exactly
 from ..errors import PeerLostError
 from ..world import World
+from .hypercube import HypercubeLinks
 
 # Below this size a send is done on the calling thread: the socket buffers (>= 144 KiB on
 # Linux loopback: 16 KiB send + 128 KiB receive) absorb it even if the peer is sending too.
@@ -43,16 +46,34 @@ _ALREADY_SENT = PendingSend()
 _ALREADY_SENT._done.set()
 
 
+@dataclass(frozen=True)
+class RendezvousCount:
+    """The connections this rank opened and accepted to form its ring (its cross ring's
+    included), each costing both ends the handshake's 3 frames and the rank's number."""
+
+    connections_opened: int = 0
+    connections_accepted: int = 0
+
+    FRAMES_PER_CONNECTION = 4
+
+    def summary(self) -> dict:
+        return {"connections_opened": self.connections_opened,
+                "connections_accepted": self.connections_accepted,
+                "frames": self.FRAMES_PER_CONNECTION * (self.connections_opened
+                                                        + self.connections_accepted)}
+
+
 class RingTransport:
-    """One rank's place in a ring: `send_to_right`, `recv_from_left`, and (on the main ring)
-    the coordination links to rank 0.
+    """One rank's place in a ring: `send_to_right`, `recv_from_left`, its `hypercube` links,
+    and (on the main ring) the coordination links to rank 0.
 
     `members` are the ring's ranks in ring order; the ring algorithms work with this rank's
     `position` among them and the ring's `size`.
     """
 
     def __init__(self, world: World, members: tuple[int, ...], right: socket.socket | None,
-                 left: socket.socket | None, coordination: dict[int, Channel], op_timeout: float):
+                 left: socket.socket | None, coordination: dict[int, Channel], op_timeout: float,
+                 hypercube: HypercubeLinks | None = None):
         self.world = world
         self.members = members
         self.position = members.index(world.rank)
@@ -61,6 +82,8 @@ class RingTransport:
         self._left = left
         self.coordination = coordination  # rank 0: {rank: channel}; others: {0: channel}
         self.op_timeout = op_timeout
+        self.hypercube = hypercube or HypercubeLinks(world, members, {}, op_timeout)
+        self.rendezvous = RendezvousCount()  # `rendezvous.connect_ring` fills it in
         self._sends: queue.SimpleQueue = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         if right is not None:
@@ -130,6 +153,7 @@ class RingTransport:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass  # already closed
+        self.hypercube.abort()
 
     def close(self) -> None:
         if self._sender is not None:
@@ -139,3 +163,4 @@ class RingTransport:
                 sock.close()
         for channel in self.coordination.values():
             channel.close()
+        self.hypercube.close()

@@ -216,7 +216,7 @@ class TorchDistributedPlane:
     itself; beside a host plane (`SplitByDevicePlane`) it carries the CUDA buffers.
     """
 
-    lockstep_group = None  # negotiation runs over the ring's coordination links
+    lockstep_group = None  # negotiation runs over TCP (`op_queue_tcp.py`)
 
     def __init__(self, device_group: DeviceGroup, op_timeout: float, transport=None):
         self.device_group = device_group
