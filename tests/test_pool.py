@@ -80,7 +80,9 @@ def test_start_shows_every_rank_and_the_ring_forms_once(pool):
 def test_state_stays_on_the_ranks_between_cells(pool):
     _cell(pool, "%%horovod --quiet\n" + HVD + "model = torch.nn.Linear(2, 1)\n"
                 "steps = 0")
-    _cell(pool, "%%horovod --quiet\nsteps += 1\nmodel.weight.data += hvd.rank()")
+    quiet = _cell(pool, "%%horovod --quiet\nsteps += 1\nmodel.weight.data += hvd.rank()\nprint('stepped')")
+    # --quiet drops the capture line, not the run: its output shows as in any cell
+    assert "[1] stepped" in quiet.stdout and "captured" not in quiet.stdout, quiet.stdout
     out = _cell(pool, "%%horovod --all-ranks --quiet\n(steps, type(model).__name__)")
     assert out.result == "[(1, 'Linear'), (1, 'Linear')]"
 
@@ -113,6 +115,8 @@ def test_pull_one_rank_every_rank_a_missing_name_and_an_unpicklable_value(pool):
     assert _cell(pool, "%horovod pull value").result == "0"
     assert _cell(pool, "%horovod pull value --rank 1").result == "10"
     assert _cell(pool, "%horovod pull value --all-ranks").result == "[0, 10]"
+    confirmed = _cell(pool, "%horovod pull value --rank 1 -o one")
+    assert confirmed.stdout.strip() == "ddl_magic: one ← rank 1's value (int, 5 B)", confirmed.stdout
     _cell(pool, "%horovod pull value --all-ranks -o values")
     assert _cell(pool, "values").result == "[0, 10]"
     missing = pool.run("%horovod pull valeu")

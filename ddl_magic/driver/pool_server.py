@@ -49,6 +49,8 @@ class PoolServer(ControlServer):
         self._cell: tuple[int, list[int]] | None = None
         self._ids = itertools.count()
         self._answers: dict[int, queue.Queue] = {}
+        self.pulled_bytes = 0
+        """How many pickled bytes the last `pull` brought, for the line that confirms it."""
 
     def begin_cell(self, epoch: int, ranks: list[int]) -> None:
         self._cell = (epoch, ranks)
@@ -100,6 +102,7 @@ class PoolServer(ControlServer):
         PoolError where one cannot send it or does not answer in time."""
         replies = self.ask(ranks, lambda request_id: Pull(request_id, name), timeout_s)
         values = []
+        self.pulled_bytes = 0
         for rank in ranks:
             reply = replies.get(rank)
             if reply is None:
@@ -107,6 +110,7 @@ class PoolServer(ControlServer):
             if reply.error:
                 raise KeyError(reply.error) if reply.missing else PoolError(reply.error)
             values.append(cloudpickle.loads(reply.value))
+            self.pulled_bytes += len(reply.value)
         return values
 
     def _relay_other(self, rank: int, message: object) -> bool:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from typing import Any
 
-from ..driver.capture import capture_cell
+from ..driver.capture import capture_cell, format_bytes
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
 from .options import (LAUNCH_OPTIONS, MAX_RESTARTS, NP, HorovodUsageError, checked,
@@ -122,9 +123,11 @@ def run_line(shell, line: str):
                   + (f": {pool.broken_reason}" if pool.broken_reason else ""))
             print(status_table(pool.status()))
         case "pull":
-            value = _the_pool(pool).pull(args.name, args.rank, args.all_ranks)
+            pool = _the_pool(pool)
+            value = pool.pull(args.name, args.rank, args.all_ranks)
             if args.out:
                 shell.user_ns[args.out] = value
+                print(pulled_line(args, value, pool.last_pull_bytes))
                 return None
             return value
         case "auto":
@@ -134,6 +137,18 @@ def run_line(shell, line: str):
                   "%horovod auto off" if args.switch == "on" else
                   "ddl_magic: cells run in the notebook again")
     return None
+
+
+def pulled_line(args: argparse.Namespace, value: Any, size: int) -> str:
+    """The line confirming `%horovod pull NAME -o OUT`: what came from where, and how big.
+
+    >>> pulled_line(argparse.Namespace(name="model", out="m", rank=0, all_ranks=False), [1], 1258291)
+    "ddl_magic: m ← rank 0's model (list, 1.2 MB)"
+    """
+    if args.all_ranks:
+        return (f"ddl_magic: {args.out} ← every rank's {args.name} (a list of {len(value)}, "
+                f"{format_bytes(size)} in all)")
+    return f"ddl_magic: {args.out} ← rank {args.rank}'s {args.name} ({type(value).__name__}, {format_bytes(size)})"
 
 
 def _the_pool(pool: Pool | None) -> Pool:
@@ -198,9 +213,9 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
                             filename=f"<%%horovod cell {pool.cells + 1}>")
     if not args.quiet:
         print(captured.report())
+    # --quiet drops the capture line only: the run shows as any cell's, as in a one-shot cell
     return pool.run_cell(captured.payload, ranks=ranks, return_all=args.all_ranks,
-                         timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "),
-                         quiet=args.quiet)
+                         timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "))
 
 
 # ---- auto mode: every cell to the ranks (ipyparallel's %autopx) ------------------------------
