@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -210,7 +211,7 @@ class CellEvents:
                     # stopped: the one line saying how its code ended (the error that ended
                     # its collective names the failing rank)
                     last = text.strip().splitlines()[-1]
-                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {last}"))
+                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {in_words(last)}"))
                 self._ready.append(RankFailed(rank, self._pool.hosts[rank], kind, text, reason,
                                               exit_code, at_ns, lost_rank))
 
@@ -243,3 +244,17 @@ class CellEvents:
             case _:
                 self._ready.append(event)
 
+
+_STOPPED_BY_US = re.compile(r"^(?:[\w.]*\.)?(?:CollectiveAbortedError|KeyboardInterrupt): "
+                            r"(?:the cell was stopped: )?")
+
+
+def in_words(last_line: str) -> str:
+    """How a stopped rank's code ended, without the exception that the stop itself raised.
+
+    >>> in_words("ddl_magic.runtime.errors.CollectiveAbortedError: the cell was stopped: the cell was interrupted")
+    'the cell was interrupted'
+    >>> in_words("RuntimeError: rank 0 failed")
+    'RuntimeError: rank 0 failed'
+    """
+    return _STOPPED_BY_US.sub("", last_line)
