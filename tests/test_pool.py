@@ -167,6 +167,10 @@ def test_a_rank_that_raises_stops_the_others_and_the_next_cell_is_right(pool):
     assert time.monotonic() - began < 15
     assert failed.error is not None and failed.error["ename"] == "RankFailedError"
     assert "ValueError: boom" in failed.text and "rank 0" in failed.error["evalue"]
+    # the traceback names the cell by the number its prompt shows (In [N]), the next cell's N + 1
+    number = re.search(r'File "<%%horovod cell In\[(\d+)\]>", line 3', failed.text)
+    assert number, failed.text
+    assert pool.run("get_ipython().execution_count").result == str(int(number.group(1)) + 1)
     # the other rank's allreduce ended with an error naming the failing rank (in its log)
     log = pool.run("import ddl_magic\nprint(ddl_magic.last_run().log(1))").stdout
     assert "rank 0 failed" in log, log

@@ -17,7 +17,7 @@ from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
-from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
+from .pool_magic import POOL_RESTARTS_REFUSED, cell_filename, run_cell_on_pool, run_line, transform_body
 
 __all__ = ["CellInterrupted", "HorovodMagics", "HorovodUsageError", "show_run_error"]
 
@@ -120,7 +120,7 @@ class HorovodMagics(Magics):
         # give line numbers as the notebook shows them.
         source = "\n" + transform_body(self.shell, cell)
         _refuse_unknown_names(source, self.shell.user_ns)
-        captured = capture_cell(source, self.shell.user_ns)
+        captured = capture_cell(source, self.shell.user_ns, filename=cell_filename(self.shell))
         if not args.quiet:
             print(captured.report())
         if captured.is_large:

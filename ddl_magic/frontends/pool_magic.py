@@ -210,12 +210,18 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
             raise HorovodUsageError(f"--ranks {args.ranks!r}: expected rank numbers, e.g. --ranks 0,1") from None
     pool.check_usable()
     captured = capture_cell("\n" + transform_body(shell, cell), shell.user_ns, pool.rank_names,
-                            filename=f"<%%horovod cell {pool.cells + 1}>")
+                            filename=cell_filename(shell))
     if not args.quiet:
         print(captured.report())
     # --quiet drops the capture line only: the run shows as any cell's, as in a one-shot cell
     return pool.run_cell(captured.payload, ranks=ranks, return_all=args.all_ranks,
                          timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "))
+
+
+def cell_filename(shell) -> str:
+    """What the ranks' tracebacks call the cell: by the notebook's own number for it
+    (IPython's `In [9]`), which the cell's prompt shows while it runs."""
+    return f"<%%horovod cell In[{shell.execution_count}]>"
 
 
 # ---- auto mode: every cell to the ranks (ipyparallel's %autopx) ------------------------------
