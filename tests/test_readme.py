@@ -6,8 +6,9 @@ A fenced block preceded by ``<!-- readme-test: KIND -->`` is checked here:
 - ``demo``: the install-and-run-the-demo command; its install steps are checked, its last
   step runs (with this interpreter);
 - ``ci``: the install-and-test command, which must be exactly what ``.ci/run`` runs;
-- ``notebook``: installing what the labs need and starting JupyterLab on lab 01; the extra
-  it names must exist and be installed here, the notebook must exist (tests/test_browser.py
+- ``notebook``: installing what the labs need and starting JupyterLab on lab 01 with the
+  clone's jupyter_lab_config.py; the extra it names must exist and be installed here, the
+  notebook must exist (tests/test_browser.py
   starts JupyterLab this way);
 - ``cell``: a notebook cell; the cells run one after another, each as a cell of its own, in
   a real kernel.
@@ -116,10 +117,19 @@ def test_the_labs_extra_is_installed_here_with_a_pandas_that_pyspark_supports():
     assert int(metadata.version("pandas").split(".")[0]) < 3  # pyspark warns at every conversion
 
 
+def jupyterlab_config() -> Path:
+    """The config file the README's JupyterLab command names (`--config=FILE`)."""
+    (start,) = steps(one_block("notebook").splitlines()[1])
+    assert start[:2] == [".venv/bin/jupyter", "lab"] and start[2].startswith("--config="), start
+    return ROOT / start[2].removeprefix("--config=")
+
+
 def test_the_notebook_command_starts_jupyterlab_on_lab_01():
-    start = steps(one_block("notebook").splitlines()[1])
-    assert len(start) == 1 and start[0][:2] == [".venv/bin/jupyter", "lab"], start
-    assert (ROOT / start[0][2]).is_file(), f"{start[0][2]} does not exist"
+    config = jupyterlab_config()
+    assert config.is_file(), f"{config} does not exist"
+    first_lab = re.search(r'^FIRST_LAB = LABS \+ "(.+)"$', config.read_text(), re.MULTILINE).group(1)
+    assert (ROOT / "example_notebooks" / first_lab).is_file()
+    assert f"/lab/tree/example_notebooks/{first_lab}?token=" in README, "the README shows the URL it prints"
     assert Path(in_this_environment([".venv/bin/jupyter-lab"])[0]).exists(), "the extra installs no JupyterLab"
 
 

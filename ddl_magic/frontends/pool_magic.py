@@ -6,6 +6,7 @@
     %horovod pull model --rank 1      a rank's value, into the notebook
     %horovod status | restart | stop
     %horovod auto  /  %horovod auto off   every following cell runs on the ranks
+    %horovod release                  end the rank factory local runs fork from (memory back)
 
 or, in a script::
 
@@ -24,6 +25,7 @@ from typing import Any
 from ..driver.capture import capture_cell, format_bytes
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
+from ..launch.local import release_rank_factory
 from .options import (LAUNCH_OPTIONS, MAX_RESTARTS, NP, HorovodUsageError, checked,
                       make_display, make_launcher)
 
@@ -64,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         (option.but(required=True) if option is NP else option).add_to(started)
     # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
     MAX_RESTARTS.add_to(started)
-    for name in ("stop", "status", "restart"):
+    for name in ("stop", "status", "restart", "release"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
     pulled.add_argument("name")
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
 
 LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]] "
               "[--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
-              "· %horovod restart · %horovod stop · %horovod auto [off]")
+              "· %horovod restart · %horovod stop · %horovod auto [off] · %horovod release")
 
 
 POOL_RESTARTS_REFUSED = (
@@ -130,6 +132,8 @@ def run_line(shell, line: str):
                 print(pulled_line(args, value, pool.last_pull_bytes))
                 return None
             return value
+        case "release":
+            print(release_line(pool))
         case "auto":
             _the_pool(pool) if args.switch == "on" else None
             set_auto(shell, args.switch == "on")
@@ -149,6 +153,20 @@ def pulled_line(args: argparse.Namespace, value: Any, size: int) -> str:
         return (f"ddl_magic: {args.out} ← every rank's {args.name} (a list of {len(value)}, "
                 f"{format_bytes(size)} in all)")
     return f"ddl_magic: {args.out} ← rank {args.rank}'s {args.name} ({type(value).__name__}, {format_bytes(size)})"
+
+
+def release_line(pool: Pool | None) -> str:
+    """`%horovod release`: end the rank factory that a kernel keeps after its first local run
+    (torch imported, a few hundred MB, so that the next ranks start fast), and say so."""
+    if pool is not None:
+        raise PoolError("a pool is running: its local ranks are the rank factory's children. "
+                        "%horovod stop first, then %horovod release")
+    released = release_rank_factory()
+    if released is None:
+        return "ddl_magic: no rank factory is running (the first local run starts one)"
+    pid, resident = released
+    return (f"ddl_magic: the rank factory (pid {pid}, {format_bytes(resident)}) has ended; the "
+            "next local run starts a new one, which takes a few seconds more")
 
 
 def _the_pool(pool: Pool | None) -> Pool:
