@@ -22,6 +22,8 @@ import cloudpickle
 from ..wire.tasks import CellTask, FunctionTask
 
 LARGE_PAYLOAD_BYTES = 50 * 1024 * 1024
+REPORT_WIDTH = 100
+"""The capture line's width: it fits a notebook beside JupyterLab's file browser."""
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___"}
 
 
@@ -35,12 +37,23 @@ class CapturedCell:
     names: dict[str, str]  # captured name -> its type, for the report line
     ranks_own: list[str] = field(default_factory=list)  # read, and the pool's ranks' own
 
-    def report(self) -> str:
+    def report(self, width: int = REPORT_WIDTH) -> str:
         """'captured lr (float), Net (class), torch (module) · payload 3.1 KB', and in a pool
-        '... · the ranks' own: model, opt · ...'"""
-        listed = ", ".join(f"{name} ({kind})" for name, kind in self.names.items()) or "no notebook names"
-        own = f" · the ranks' own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
-        return f"ddl_magic: captured {listed}{own} · payload {format_bytes(len(self.payload))}"
+        '... · the ranks' own: model, opt · ...', wrapped to `width` between names (a
+        notebook wraps a long line anywhere, mid-word too).
+
+        >>> print(CapturedCell(b"x" * 3174, {"lr": "float", "Net": "class"}, ["model"]).report(width=40))
+        ddl_magic: captured lr (float),
+          Net (class) · the ranks' own: model ·
+          payload 3.1 KB
+        """
+        # A no-break space holds what must stay on one line: a name and its kind, "the
+        # ranks' own:", the payload's size; textwrap breaks at ordinary spaces only.
+        listed = ", ".join(f"{name}\xa0({kind})" for name, kind in self.names.items()) or "no notebook names"
+        own = f" · the\xa0ranks'\xa0own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
+        line = f"ddl_magic: captured {listed}{own} · payload\xa0{format_bytes(len(self.payload)).replace(' ', chr(160))}"
+        return textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                             break_on_hyphens=False).replace("\xa0", " ")
 
     @property
     def is_large(self) -> bool:
