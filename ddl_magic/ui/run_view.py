@@ -41,7 +41,7 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..driver.events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
 from ..driver.records import RankRecord, RankStatus
-from ..driver.run_report import FAILED_ROW_BACKGROUND, STATUS_COLOURS
+from ..driver.run_report import FAILED_ROW_BACKGROUND, MONOSPACE, STATUS_COLOURS, html_table
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
 
@@ -439,14 +439,12 @@ class RunView:
         from ..timeline.live import KINDS
 
         summary, shares, kinds = self._live.summary(), self._live.shares(), self._live.recorded_kinds()
-        rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{shares[rank][i]}</td>' for i in kinds)}"
-                f"<td>{summary[rank]['wall_ms'] / 1000.0:.1f}</td></tr>" for rank in summary]
-        header = ("<tr><th>rank</th>" + "".join(f"<th>{KINDS[i]} %</th>" for i in kinds)
-                  + "<th>recorded s</th></tr>")
-        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+        rows = [("", [str(rank), *(shares[rank][i] for i in kinds), f"{summary[rank]['wall_ms'] / 1000.0:.1f}"])
+                for rank in summary]
+        header = ["rank", *(f"{KINDS[i]} %" for i in kinds), "recorded s"]
         problem = (f'<div style="color:{STATUS_COLOURS[RankStatus.FAILED]}">{html.escape(self._timeline_problem)}</div>'
                    if self._timeline_problem else "")
-        return f'<b>{heading}</b>{problem}<table style="{style}">{header}{"".join(rows)}</table>'
+        return f"<b>{heading}</b>{problem}{html_table(header, rows)}"
 
     def _rank(self, rank: int) -> RankOutputView:
         if not 0 <= rank < self.np:
@@ -513,16 +511,11 @@ class RunView:
             failed = record.status is RankStatus.FAILED
             background = f' style="background:{FAILED_ROW_BACKGROUND}"' if failed else ""
             last_line = _shortened(rank.last_line)
-            rows.append(
-                f"<tr{background}><td>{rank.rank}</td><td>{_badge(record.status)}</td>"
-                f"<td>{html.escape(record.host) or '—'}</td>"
-                f"<td>{'—' if elapsed is None else _format_elapsed(elapsed)}</td>"
-                f"<td><code>{html.escape(last_line)}</code></td></tr>"
-            )
-        header = "<tr><th>rank</th><th>status</th><th>host</th><th>elapsed</th><th>last line</th></tr>"
-        # Spaced columns; the negative margin keeps the first column flush with the banner.
-        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
-        return f'<table style="{style}">{header}{"".join(rows)}</table>'
+            rows.append((background, [
+                str(rank.rank), _badge(record.status), html.escape(record.host) or "—",
+                "—" if elapsed is None else _format_elapsed(elapsed),
+                f'<code style="{MONOSPACE}">{html.escape(last_line)}</code>']))
+        return html_table(["rank", "status", "host", "elapsed", "last line"], rows)
 
     def _render_failure(self) -> str:
         if not self._failures:
@@ -535,7 +528,7 @@ class RunView:
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
             f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
-            f'<pre style="margin:4px 0">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
+            f'<pre style="margin:4px 0;{MONOSPACE}">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
         )
 
     def _shown_traceback(self, failure: RankFailed) -> str:
@@ -560,7 +553,7 @@ class RunView:
         return (
             f"{note_html}<div style=\"max-height:{LOG_HEIGHT};overflow:auto;"
             f'display:flex;flex-direction:column-reverse">'
-            f'<pre style="margin:0">{html.escape(text)}</pre></div>'
+            f'<pre style="margin:0;{MONOSPACE}">{html.escape(text)}</pre></div>'
         )
 
 
