@@ -348,7 +348,15 @@ def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_pat
     view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
     view.refresh()
     lanes = view.widget.children[-2]
+    drawn = view.inner._show_final_timeline
+    banners = []  # what the banner said while the finished run's figure was drawn
+    view.inner._show_final_timeline = lambda: banners.append(view.widget.children[0].value) or drawn()
     view.finish("done")
+    assert "done in" in banners[0] and "drawing the timeline" in banners[0]
+    assert "drawing" not in view.widget.children[0].value
+    # Renderers without widgets (nbconvert, GitHub) get the lanes as a picture, row by row.
+    picture = re.search(r"<svg .*</svg>", view.report_html()).group(0)
+    assert "rank 1 (node-1) · negotiate" in picture and "<rect" in picture
     assert view.widget.children[-2] is lanes  # the same figure, not a second one
     assert [child for child in view.widget.children if "Figure" in type(child).__name__] == [lanes]
     assert "grads 0" in {row[0] for bars in lanes.data for row in bars.customdata}  # names from the file

@@ -32,6 +32,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -160,11 +161,15 @@ class RunView:
         self._live_lanes = None
         self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and the next draw's time
         self._timeline_problem = ""
+        self._lanes_picture = ""  # the finished run's lanes as SVG, for renderers without widgets
+        self._drawing_timeline = False
         self.timeline_text = ""
         """The finished run's timeline summary as text (for frontends without widgets)."""
         self._display_handle = None
         if widget_after_s is None:
             self._make_widgets()
+        if timeline_path is not None:  # what drawing it needs, imported while the ranks train
+            threading.Thread(target=_import_timeline_drawing, name="ddl-timeline-imports", daemon=True).start()
 
     def _make_widgets(self) -> None:
         """The view's widgets, with the state so far."""
@@ -291,8 +296,12 @@ class RunView:
             self._make_widgets()
             if self._shown_at is not None:
                 self._show_widgets()
+        # The banner says the figure is being drawn, until it is: the cell is busy till then.
+        self._drawing_timeline = self.timeline_path is not None or self._live is not None
         self.refresh()
         self._show_final_timeline()
+        self._drawing_timeline = False
+        self.refresh()
         if self._display_handle is not None:
             bundle = self._widget_bundle(self.report_text())
             bundle["text/html"] = self.report_html()
@@ -327,7 +336,7 @@ class RunView:
         now = self._now()
         log = self._render_log(self._all, self._log_note(self._all, None), labelled=True) if self._all.appended else ""
         return (self._render_banner(now) + self._render_table(now) + self._render_failure() + log
-                + (self._live_summary.value if self.timeline_text else ""))
+                + (self._live_summary.value + self._lanes_picture if self.timeline_text else ""))
 
     def state(self) -> dict:
         """A plain snapshot of the view, for tests and for the run's record."""
@@ -413,6 +422,8 @@ class RunView:
     def _show_final_timeline(self) -> None:
         """The run is over: the figure and the summary become the whole trace's, read from
         its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
+        from .lanes_svg import lanes_svg
+
         trace = None
         if self.timeline_path is not None and os.path.exists(self.timeline_path):
             from ..timeline.analysis import summary_report
@@ -424,6 +435,7 @@ class RunView:
                 self._timeline_problem = f"the timeline at {self.timeline_path} could not be read: {exc}"
         if trace is not None:
             self.timeline_text, summary_html = summary_report(trace)
+            self._lanes_picture = lanes_svg(trace)
             self._live_summary.value = f"<b>timeline</b>{summary_html}"
             if len(trace.events):
                 self._show_lanes(trace)
@@ -434,6 +446,7 @@ class RunView:
             self._draw_timeline_now()
             self._live_summary.value = self._render_timeline_summary("timeline")
             self.timeline_text = self._live.summary_line(self._finished_at - self._started_at)
+            self._lanes_picture = lanes_svg(self._live.trace())
 
     def _render_timeline_summary(self, heading: str) -> str:
         from ..timeline.live import KINDS
@@ -488,9 +501,10 @@ class RunView:
         if self._outcome is RunStatus.RUNNING:
             done = sum(record.status is RankStatus.DONE for record in self._records)
             return f"running · {done}/{self.np} done · {elapsed}"
+        drawing = " · drawing the timeline…" if self._drawing_timeline else ""
         if self._outcome is RunStatus.DONE:
-            return f"done in {elapsed}"
-        return f"{self._outcome} after {elapsed}"
+            return f"done in {elapsed}{drawing}"
+        return f"{self._outcome} after {elapsed}{drawing}"
 
     def _banner_text(self, now: float) -> str:
         logs = f" · logs in {self.log_dir}" if self.log_dir else ""
@@ -555,6 +569,13 @@ class RunView:
             f'display:flex;flex-direction:column-reverse">'
             f'<pre style="margin:0;{MONOSPACE}">{html.escape(text)}</pre></div>'
         )
+
+
+def _import_timeline_drawing() -> None:
+    """Import what the finished run's figure and summary need (plotly takes a second or two),
+    so that drawing them after the run does not."""
+    from ..timeline import analysis, load  # noqa: F401
+    from . import timeline_widget  # noqa: F401
 
 
 def _shortened(line: str) -> str:
