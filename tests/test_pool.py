@@ -128,6 +128,9 @@ def test_pull_one_rank_every_rank_a_missing_name_and_an_unpicklable_value(pool):
 
 def test_status_restart_and_stop(pool):
     status = _cell(pool, "%horovod status")
+    # the rank factory stays while its children, the pool's ranks, do
+    refused = pool.run("%horovod release")
+    assert refused.error is not None and "%horovod stop first" in refused.error["evalue"], refused.error
     assert re.search(r"^0\s+\S+\s+\d+\s+idle\s+\d+ MB\s+\d+ s", status.stdout, re.M), status.stdout
     _cell(pool, "%%horovod --quiet\nkept = 1")
     restarted = _cell(pool, "%horovod restart", timeout=180)
