@@ -8,8 +8,7 @@ A fenced block preceded by ``<!-- readme-test: KIND -->`` is checked here:
 - ``ci``: the install-and-test command, which must be exactly what ``.ci/run`` runs;
 - ``notebook``: installing what the labs need and starting JupyterLab on lab 01 with the
   clone's jupyter_lab_config.py; the extra it names must exist and be installed here, the
-  notebook must exist (tests/test_browser.py
-  starts JupyterLab this way);
+  notebook must exist (tests/test_browser.py starts JupyterLab this way);
 - ``cell``: a notebook cell; the cells run one after another, each as a cell of its own, in
   a real kernel.
 """
