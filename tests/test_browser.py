@@ -1,6 +1,9 @@
 """A person's view, following the README's own path: JupyterLab started with the README's
-command (from the `examples` extra, which tests/test_readme.py checks is installed), lab 01
-opened and run top to bottom, then a `%%horovod --timeline` notebook, in headless Chromium.
+command (from the `examples` extra, which tests/test_readme.py checks is installed) in a git
+clone of the labs, lab 01 opened from the URL JupyterLab printed and run top to bottom, then
+saved (the clone stays clean), then a `%%horovod --timeline` notebook, in headless Chromium.
+The README's command alone is refused as root, as the README says, and serves lab 01 as a
+user (where this machine's interpreter can run as one).
 
 The test drives Chromium through the Chrome DevTools Protocol (a websocket,
 `websocket-client`): "Run All Cells" as the Run menu does it, then checks the page's DOM: lab
