@@ -10,6 +10,12 @@ from two_host_cluster import TwoHostCluster, Unavailable
 
 pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
 
+# A local Spark Connect session (`remote("local[4]")`) serves on port 15002 unless pyspark
+# is told it is under test: then its server takes a free port and its client asks which. So
+# two test sessions at once on one machine (another checkout's, a busy CI host) never meet
+# on one port. Kernels and subprocesses the tests start inherit it.
+os.environ.setdefault("SPARK_TESTING", "1")
+
 
 SPARK_KINDS = ["classic", "connect"]
 
