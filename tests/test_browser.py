@@ -170,8 +170,11 @@ class DevToolsPage:
         """A PNG of the page, or of the element `element` evaluates to (scrolled into view)."""
         params: dict = {"format": "png"}
         if element is not None:
-            box = self.evaluate(f"""(() => {{ const e = {element};
+            # Scrolled into view, then measured after two frames: JupyterLab draws a cell that
+            # comes into view on the next frame, and an element shot before that is blank.
+            box = self.evaluate(f"""(async () => {{ const e = {element};
                 e.scrollIntoView({{block: 'start'}});
+                for (let i = 0; i < 2; i++) await new Promise(r => requestAnimationFrame(r));
                 const r = e.getBoundingClientRect();
                 return {{x: r.x, y: r.y, width: r.width, height: r.height}}; }})()""")
             params.update(clip={**box, "scale": 1}, captureBeyondViewport=True)

@@ -165,8 +165,8 @@ def release_line(pool: Pool | None) -> str:
     if released is None:
         return "ddl_magic: no rank factory is running (the first local run starts one)"
     pid, resident = released
-    return (f"ddl_magic: the rank factory (pid {pid}, {format_bytes(resident)}) has ended; the "
-            "next local run starts a new one, which takes a few seconds more")
+    return (f"ddl_magic: the rank factory (pid {pid}, {format_bytes(resident)}) has ended; "
+            "the next local run starts a new one")
 
 
 def _the_pool(pool: Pool | None) -> Pool:
