@@ -32,7 +32,6 @@ from __future__ import annotations
 import html
 import math
 import os
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -168,8 +167,6 @@ class RunView:
         self._display_handle = None
         if widget_after_s is None:
             self._make_widgets()
-        if timeline_path is not None:  # what drawing it needs, imported while the ranks train
-            threading.Thread(target=_import_timeline_drawing, name="ddl-timeline-imports", daemon=True).start()
 
     def _make_widgets(self) -> None:
         """The view's widgets, with the state so far."""
@@ -569,13 +566,6 @@ class RunView:
             f'display:flex;flex-direction:column-reverse">'
             f'<pre style="margin:0;{MONOSPACE}">{html.escape(text)}</pre></div>'
         )
-
-
-def _import_timeline_drawing() -> None:
-    """Import what the finished run's figure and summary need (plotly takes a second or two),
-    so that drawing them after the run does not."""
-    from ..timeline import analysis, load  # noqa: F401
-    from . import timeline_widget  # noqa: F401
 
 
 def _shortened(line: str) -> str:
