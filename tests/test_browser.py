@@ -499,6 +499,10 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
             tr => [...tr.querySelectorAll('td')].map(td => td.innerText)); }})()""",
                          timeout=30, what="last_run() to show its table")
     assert [row[:2] for row in rows] == [["0", "done"], ["1", "done"]] and [row[4] for row in rows] == ["0", "0"], rows
+    # Its "rank" header starts inside the output area (a negative margin once cut it to "ank").
+    assert page.evaluate(f"""(() => {{ const table = {report};
+        return table.querySelector('th').getBoundingClientRect().left
+               >= table.closest('.jp-OutputArea-output').getBoundingClientRect().left; }})()""")
     page.screenshot(tmp_path / "last_run.png", element=f"{report}.closest('.jp-OutputArea')")
     page.screenshot(tmp_path / "page.png")
     assert page.evaluate(WARNING_BOXES) == []
