@@ -3,6 +3,7 @@
     python benchmarks/allreduce.py               # np 2 and 4, 4 KiB .. 64 MiB (about 4 minutes)
     python benchmarks/allreduce.py --quick       # smoke run: np 2, three sizes, few iterations
     python benchmarks/allreduce.py --np 2 --sizes 1MiB 64MiB --iterations 50
+    python benchmarks/allreduce.py --device cuda --np 2 --sizes 4KiB 1MiB 64MiB 256MiB   # on a GPU
 
 Three sides, measured in the same run and interleaved (gloo, ours-tcp, ours-shm, gloo, ...):
 gloo; ours with ``DDL_MAGIC_TRANSPORT=tcp`` (the TCP ring, as between hosts); ours as a user
@@ -24,6 +25,12 @@ Four measurements:
    the bytes read and the bytes written (2 x 256 MiB per copy; the reads a cache does to
    allocate the written lines are not counted). Shared memory moves data by copying it, so
    the 64 MiB rows give ours-shm's busbw as a fraction of the fastest copy seen.
+
+With ``--device cuda`` the swept tensors live on the GPU (ranks share GPUs round robin: np 2
+on one GPU goes through CUDA IPC), and a spawned process measures the GPU's floors in the
+same run: the device-to-device copy rate (``dst.copy_(src)`` of 256 MiB, bytes copied per
+second) and NCCL's allreduce of 256 MiB on one rank. The largest size's ours-shm busbw is
+then given as a fraction of that copy rate (issue 38's target: at least 70 % at 256 MiB).
 
 Every rank runs one torch thread and times itself; each side runs twice, interleaved with
 the others, and its least disturbed run is reported. Prints tables and writes
@@ -64,6 +71,7 @@ reduced, so shared memory's busbw ceiling is a quarter of the copy rate (read + 
 MEMORY_CEILING_TARGET = 0.70  # issue 40: 64 MiB busbw at least 70 % of that ceiling
 TCP_MESSAGE_BYTES, TCP_MESSAGES = 64 << 20, 40
 MEMORY_COPY_BYTES, MEMORY_COPIES = 256 << 20, 10
+DEVICE_COPY_TARGET = 0.70  # issue 38: CUDA IPC busbw at 256 MiB, np 2 on one GPU, vs the copy rate
 SPREAD_WARNING = 0.25  # flag a measurement whose middle half spans more than 25 % of its median
 
 
@@ -261,6 +269,61 @@ def print_memory(when: str, measured: dict[str, dict]) -> None:
           f"+ written, fastest of {copies}: " + "; ".join(parts))
 
 
+# ---- GPU floors: the copy rate and NCCL on one rank ---------------------------------------
+
+def cuda_floors(nbytes: int, copies: int) -> dict:
+    """Measured in a spawned process, so this one never initialises CUDA (ours forks ranks)."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_cuda_floors_here, (nbytes, copies))
+
+
+def _cuda_floors_here(nbytes: int, copies: int) -> dict:
+    source = torch.ones(nbytes // 4, device="cuda")
+    destination = torch.empty_like(source)
+
+    def timed(step) -> list[float]:
+        step()  # warm-up: NCCL's communicator, the copy engine
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(copies):
+            started = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return times
+
+    copy_rates = [nbytes / t / 1e9 for t in timed(lambda: destination.copy_(source))]
+    floors = {"bytes": nbytes, "device": torch.cuda.get_device_name(),
+              "copy_gbps": max(copy_rates), "copy_median_gbps": statistics.median(copy_rates),
+              "copy_counted": "bytes copied per second (read + written is twice this)"}
+    if dist.is_nccl_available():
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            nccl = timed(lambda: dist.all_reduce(source))
+        finally:
+            dist.destroy_process_group()
+        floors["nccl_np1_median_s"] = statistics.median(nccl)
+        floors["nccl_np1_algbw_gbps"] = nbytes / statistics.median(nccl) / 1e9
+    return floors
+
+
+def print_cuda_floors(floors: dict, rows: list[dict]) -> None:
+    """The floors, and the largest size's CUDA IPC busbw at np 2 against the copy rate."""
+    nccl = (f"; NCCL allreduce on one rank {floors['nccl_np1_median_s'] * 1e3:.3f} ms "
+            f"({floors['nccl_np1_algbw_gbps']:.1f} GB/s)" if "nccl_np1_median_s" in floors else "")
+    print(f"GPU {floors['device']}: device-to-device copy of {format_size(floors['bytes'])} "
+          f"{floors['copy_gbps']:.1f} GB/s (median {floors['copy_median_gbps']:.1f}){nccl}")
+    largest = max((row for row in rows if row["np"] == 2), key=lambda row: row["bytes"], default=None)
+    if largest is None:
+        return
+    share = largest[TARGET_SIDE]["busbw_gbps"] / floors["copy_gbps"]
+    largest["busbw_fraction_of_device_copy"] = share
+    print(f"issue 38: {format_size(largest['bytes'])} through CUDA IPC, np 2: busbw "
+          f"{largest[TARGET_SIDE]['busbw_gbps']:.1f} GB/s = {share:.0%} of the copy rate "
+          f"(target >= {DEVICE_COPY_TARGET:.0%} at 256 MiB): "
+          f"{'meets' if share >= DEVICE_COPY_TARGET else 'MISSES'}")
+
+
 # ---- the driver ---------------------------------------------------------------------------
 
 def compare_allreduce(np: int, sizes: list[int], iterations: dict[int, int],
@@ -390,6 +453,7 @@ def main() -> None:
           f"median {ceiling['median_gbps']:.2f} GB/s (min {ceiling['min_gbps']:.2f}, "
           f"max {ceiling['max_gbps']:.2f})")
     memory = {"start": measure_memory(args.memory_copies)}
+    floors = cuda_floors(MEMORY_COPY_BYTES, args.memory_copies) if args.device == "cuda" else None
     print_memory("at the start", memory["start"])
     rows = []
     for np in args.np:
@@ -404,6 +468,8 @@ def main() -> None:
         print_allreduce(np, [row for row in rows if row["np"] == np], ceiling["median_gbps"],
                         memory_gbps)
     print_small_tensors(small)
+    if floors is not None:
+        print_cuda_floors(floors, rows)
     print_issue_40_targets(rows, memory_gbps)
     warn_about_spread(rows, small)
     path = write_results("allreduce", {
@@ -419,7 +485,7 @@ def main() -> None:
         "tcp_loopback": ceiling,
         "memory_bandwidth": {**memory, "reference_gbps": memory_gbps,
                              "reference": "the fastest copy_, any thread count, start or end"},
-        "allreduce": rows, "small_tensors": small,
+        "allreduce": rows, "small_tensors": small, "cuda_floors": floors,
         "load_average_before": load_before, "wall_s": time.perf_counter() - started,
     })
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")

@@ -142,8 +142,23 @@ class TwoHostCluster:
         """A SparkSession of this process on the cluster, once executors with `slots` task slots
         in all have registered (until then a barrier stage of that size is refused). The
         caller sets PYSPARK_PYTHON and SPARK_LOCAL_IP (= `driver_address`) and stops it."""
+        from pyspark import SparkContext
         from pyspark.sql import SparkSession
 
+        if SparkContext._gateway is None:
+            # The JVM keeps the environment it starts with. Started here, it would keep the
+            # caller's SPARK_LOCAL_IP (this cluster's address) for good, and every later local
+            # session of this process would bind to an address gone with the cluster. Start it
+            # on loopback: this session names its own address below.
+            saved = os.environ.get("SPARK_LOCAL_IP")
+            os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+            try:
+                SparkContext._ensure_initialized()
+            finally:
+                if saved is None:
+                    del os.environ["SPARK_LOCAL_IP"]
+                else:
+                    os.environ["SPARK_LOCAL_IP"] = saved
         session = (SparkSession.builder.master(self.master_url).appName(app_name)
                    .config("spark.driver.host", self.driver_address)
                    .config("spark.driver.bindAddress", self.driver_address)

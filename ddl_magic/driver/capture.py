@@ -6,19 +6,23 @@ stay on the ranks. Python's own `symtable` decides which is which, so nested fun
 comprehensions and classes in the cell follow Python's scoping rules exactly.
 
 Everything is cloudpickled once. When that fails, each captured name is tried alone so the
-error can say which variable cannot travel, and what to do about it.
+error can say which variable cannot travel, and what to do about it. A tensor the notebook
+holds on its GPU travels as a host copy and lands on each rank's own GPU
+(`wire/cuda_values.py`); the capture says so before launch, naming the variables.
 """
 
 from __future__ import annotations
 
 import builtins
 import inspect
+import io
 import symtable
 import textwrap
 from dataclasses import dataclass, field
 
 import cloudpickle
 
+from ..wire import cuda_values
 from ..wire.tasks import CellTask, FunctionTask
 
 LARGE_PAYLOAD_BYTES = 50 * 1024 * 1024
@@ -36,11 +40,13 @@ class CapturedCell:
     payload: bytes
     names: dict[str, str]  # captured name -> its type, for the report line
     ranks_own: list[str] = field(default_factory=list)  # read, and the pool's ranks' own
+    on_gpu: list[str] = field(default_factory=list)  # captured names holding CUDA tensors
 
     def report(self, width: int = REPORT_WIDTH) -> str:
         """'captured lr (float), Net (class), torch (module) · payload 3.1 KB', and in a pool
         '... · the ranks' own: model, opt · ...', wrapped to `width` between names (a
-        notebook wraps a long line anywhere, mid-word too).
+        notebook wraps a long line anywhere, mid-word too); a line more for CUDA tensors
+        captured.
 
         >>> print(CapturedCell(b"x" * 3174, {"lr": "float", "Net": "class"}, ["model"]).report(width=40))
         ddl_magic: captured lr (float),
@@ -52,8 +58,9 @@ class CapturedCell:
         listed = ", ".join(f"{name}\xa0({kind})" for name, kind in self.names.items()) or "no notebook names"
         own = f" · the\xa0ranks'\xa0own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
         line = f"ddl_magic: captured {listed}{own} · payload\xa0{format_bytes(len(self.payload)).replace(' ', chr(160))}"
-        return textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
-                             break_on_hyphens=False).replace("\xa0", " ")
+        wrapped = textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                                break_on_hyphens=False).replace("\xa0", " ")
+        return wrapped + ("\n" + gpu_note(self.on_gpu) if self.on_gpu else "")
 
     @property
     def is_large(self) -> bool:
@@ -79,7 +86,8 @@ def capture_cell(source: str, namespace: dict, ranks_own: set[str] | frozenset =
     names = {name: namespace[name] for name in read if name in namespace and name not in ranks_own}
     payload = _pickle(CellTask(source, names, filename), names)
     return CapturedCell(payload, {name: _kind(value) for name, value in names.items()},
-                        [name for name in read if name in ranks_own])
+                        [name for name in read if name in ranks_own],
+                        [name for name, value in names.items() if cuda_values.holds_cuda_tensors(value)])
 
 
 def unknown_names(source: str, namespace: dict) -> list[str]:
@@ -94,7 +102,7 @@ def unknown_names(source: str, namespace: dict) -> list[str]:
 def capture_function(function, kwargs: dict, args: tuple = ()) -> bytes:
     """The payload for `HorovodRunner.run(function, **kwargs)`, naming what cannot be pickled."""
     try:
-        return cloudpickle.dumps(FunctionTask(function, kwargs, tuple(args)))
+        payload = dumps(FunctionTask(function, kwargs, tuple(args)))
     except Exception as whole_error:
         name = getattr(function, "__name__", repr(function))
         used = inspect.getclosurevars(function) if inspect.isfunction(function) else None
@@ -107,6 +115,32 @@ def capture_function(function, kwargs: dict, args: tuple = ()) -> bytes:
                     f"{name}() uses the {where} {culprit}. Create it inside {name}() instead, "
                     "or pass what it is made from.") from None
         raise CaptureError(f"{name}() cannot be sent to the ranks: {whole_error}") from None
+    on_gpu = [name for name, value in {**dict(enumerate(args)), **kwargs}.items()
+              if cuda_values.holds_cuda_tensors(value)]
+    if on_gpu:
+        print(gpu_note([f"argument {name}" for name in on_gpu]))
+    return payload
+
+
+def gpu_note(names: list[str]) -> str:
+    """What happens to the notebook's CUDA tensors, said before launch."""
+    return (f"ddl_magic note: {', '.join(names)} hold{'s' if len(names) == 1 else ''} tensors on the "
+            "notebook's GPU: each rank gets a copy on its own GPU (cuda:<local_rank>), through host "
+            "memory. Create them inside the cell to skip the copy.")
+
+
+def dumps(value: object) -> bytes:
+    """`cloudpickle.dumps`, with CUDA tensors device-neutral (`wire/cuda_values.py`)."""
+    out = io.BytesIO()
+    _DeviceNeutralPickler(out, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return out.getvalue()
+
+
+class _DeviceNeutralPickler(cloudpickle.CloudPickler):
+    def reducer_override(self, obj):
+        if cuda_values.is_cuda_tensor(obj):
+            return cuda_values.device_neutral(obj)
+        return super().reducer_override(obj)
 
 
 def names_read(source: str) -> list[str]:
@@ -137,7 +171,7 @@ def _collect_globals(table: symtable.SymbolTable, found: dict[str, None]) -> Non
 
 def _pickle(task: CellTask, names: dict) -> bytes:
     try:
-        return cloudpickle.dumps(task)
+        return dumps(task)
     except Exception as whole_error:
         culprit = _first_unpicklable(names)
         if culprit is not None:

@@ -20,7 +20,8 @@ from .elastic_plan import ElasticBounds
 from .launcher import Launcher
 from .run_folders import RunFolder, new_run_folder, new_run_id
 from ..rank.memory_cap import capped_environment
-from ..runtime.settings import TRANSPORT_VARIABLE, transport_choice
+from ..runtime.settings import (TORCH_PLANE_VARIABLE, TRANSPORT_VARIABLE, torch_plane_choice,
+                                transport_choice)
 from ..wire.channel import PEER_TIMEOUT_VARIABLE, new_secret, peer_timeout_s
 
 
@@ -65,11 +66,12 @@ def prepare_run(np: int, launcher: Launcher, *, env: dict[str, str], use_gpu: bo
 
 def ranks_environment(env: dict[str, str], use_gpu: bool) -> dict[str, str]:
     """What every rank of a run (or pool) gets in its environment on top of the user's
-    `env`: the transport and peer timeout, checked here rather than first on every rank, and
+    `env`: the transports and peer timeout, checked here rather than first on every rank, and
     passed on, since Spark executors do not inherit the notebook's environment."""
     transport = transport_choice(env.get(TRANSPORT_VARIABLE, os.environ.get(TRANSPORT_VARIABLE)))
     peer_timeout_s()  # a bad DDL_MAGIC_PEER_TIMEOUT is refused before anything starts
-    env = {**env, TRANSPORT_VARIABLE: transport}
+    torch_plane = torch_plane_choice(env.get(TORCH_PLANE_VARIABLE, os.environ.get(TORCH_PLANE_VARIABLE)))
+    env = {**env, TRANSPORT_VARIABLE: transport, TORCH_PLANE_VARIABLE: torch_plane}
     if PEER_TIMEOUT_VARIABLE in os.environ:
         env.setdefault(PEER_TIMEOUT_VARIABLE, os.environ[PEER_TIMEOUT_VARIABLE])
     if use_gpu:

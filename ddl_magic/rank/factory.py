@@ -23,6 +23,14 @@ The factory is also the judge of whether a rank is alive (`liveness.py`): it rea
 rank's state from the kernel every `STATE_POLL_S` and reports changes, so a rank that holds
 its GIL in a long native call is seen running, and a stopped one stopped.
 
+CUDA. A process that has initialised CUDA cannot fork a child that uses it, and a notebook
+kernel often has (a model moved to the GPU, `torch.cuda.is_available()`). So the factory
+never initialises CUDA before it forks: it imports torch and warms `torch.optim`, neither of
+which calls into CUDA, and asks nothing of `torch.cuda` (`is_available`, `device_count` and
+`set_device` initialise the driver). Each rank initialises CUDA itself, after the fork, on
+its own device (`--gpu` pins `local_rank`'s). `tests/test_rank_factory.py` starts a factory
+with a stub that records every such call and checks that all of them came from ranks.
+
 The factory exits when its stdin closes, that is when its parent exits.
 """
 

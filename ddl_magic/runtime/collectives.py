@@ -3,7 +3,7 @@
 The op queue hands each `Response` here together with this rank's entries for its names.
 Everything around the data movement lives here — packing many tensors into one fusion
 buffer, the prescale and postscale factors, staging CUDA tensors through host memory where
-the plane cannot carry them, and the timeline's labels — so that the plane (`planes/`:
+the plane cannot carry them (its `device_types`), and the timeline's labels — so that the plane (`planes/`:
 shared memory, the TCP ring, or both, hierarchically) only moves one flat buffer. On one
 host a small allreduce's data may even ride on the negotiation round that agrees on it
 (`run_attached`).
@@ -52,6 +52,10 @@ class CollectiveRunner:
         self._rank, self._size = rank, size
         # The group whose negotiation rounds can carry data (every rank on this host), or None.
         self._lockstep = plane.lockstep_group
+        # Buffers on the devices the plane carries need no staging (two flags: a small
+        # step asks for every tensor, and `tensor.device` costs an object each time).
+        self._carries_cpu = "cpu" in plane.device_types
+        self._carries_cuda = "cuda" in plane.device_types
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._pinned: dict[torch.dtype, torch.Tensor] = {}
 
@@ -138,7 +142,7 @@ class CollectiveRunner:
 
     def _allreduce(self, entries: list[Entry]) -> None:
         op, postscale = self._prepare_allreduce(entries)
-        if len(entries) == 1 and _is_host_contiguous(entries[0].output):
+        if len(entries) == 1 and self._carries(entries[0].output):
             self._allreduce_in_place(entries, op, postscale)
             return
         gpu = self._gpu_memory(entries)
@@ -164,7 +168,8 @@ class CollectiveRunner:
             kernels.pack([_on(e.tensor, device) for e in entries], fused, request.prescale)
         # ... reduce: GPU buffers of one host through their peer-mapped memory, on the GPU;
         # otherwise from host memory (pinned, for fast copies from and to a GPU), ...
-        wire = fused if device.type == "cpu" or peer_mapped else self._staged_on_host(fused)
+        carried = self._carries_cpu if device.type == "cpu" else self._carries_cuda
+        wire = fused if carried or peer_mapped else self._staged_on_host(fused)
         self.plane.allreduce(wire, op, labels)
         if wire is not fused:
             fused.copy_(wire)
@@ -184,7 +189,8 @@ class CollectiveRunner:
         return self.plane.gpu_memory(entries[0].tensor.device)
 
     def _allreduce_in_place(self, entries: list[Entry], op: ReduceOp, postscale: float) -> None:
-        """One host tensor: reduce directly in its output, skipping the fusion buffer's copies."""
+        """One tensor the plane carries as it is: reduce directly in its output, skipping the
+        fusion buffer's copies."""
         entry = entries[0]
         if entry.output is not entry.tensor:
             entry.output.copy_(entry.tensor)
@@ -208,11 +214,12 @@ class CollectiveRunner:
             parts.append((start, start + rows * row))
             start += rows * row
         in_place = entry.output is entry.tensor
-        if in_place and _is_host_contiguous(entry.tensor):
+        if in_place and self._carries(entry.tensor):
             buffer = entry.tensor.view(-1)
         else:  # the input stays as it was
-            buffer = self._fusion_buffer(request.dtype, math.prod(request.shape), torch.device("cpu"))
-            buffer.copy_(_host(entry.tensor).reshape(-1))
+            buffer = self._fusion_buffer(request.dtype, math.prod(request.shape),
+                                         self._working_device(entry.tensor))
+            buffer.copy_(entry.tensor.reshape(-1))
         _scale(buffer, request.prescale)
         self.plane.reduce_scatter(buffer, parts, op,
                                   _TimelineLabels([entry], buffer.numel() * buffer.element_size()))
@@ -221,7 +228,7 @@ class CollectiveRunner:
         _scale(mine, _postscale(request, op, size))
         if in_place:
             target = entry.tensor.view(-1)[own_start:own_end]
-            if target.data_ptr() != mine.data_ptr():  # a GPU tensor: its rows from the host
+            if target.data_ptr() != mine.data_ptr():  # a staged GPU tensor: its rows from the host
                 target.copy_(mine)
             entry.output = target.view(request.splits[rank], *request.shape[1:])
             return
@@ -252,24 +259,36 @@ class CollectiveRunner:
             start += dim * row
         output = entry.output  # given by the caller (a host tensor of the gathered shape), or new
         if output is None:
-            output = torch.empty((sum(first_dims), *tensor.shape[1:]), dtype=tensor.dtype)
+            output = torch.empty((sum(first_dims), *tensor.shape[1:]), dtype=tensor.dtype,
+                                 device=self._working_device(tensor))
         flat = output.view(-1)
         own_start, own_end = bounds[self._rank]
-        flat[own_start:own_end].copy_(_host(tensor).reshape(-1))
+        flat[own_start:own_end].copy_(tensor.reshape(-1))
         self.plane.allgather(flat, bounds, entry.request.name)
-        entry.output = output.to(tensor.device) if tensor.device.type != "cpu" else output
+        entry.output = output.to(tensor.device)
 
     def _broadcast(self, entry: Entry) -> None:
         output = entry.output
         if entry.output is not entry.tensor and self._rank == entry.request.root:
             output.copy_(entry.tensor)
-        staged = output if _is_host_contiguous(output) else _host(output).contiguous()
+        staged = output if self._carries(output) else _host(output).contiguous()
         self.plane.broadcast(staged.view(-1), entry.request.root, entry.request.name)
         if staged is not output:
             output.copy_(staged)
 
     def close(self) -> None:
         self.plane.close()
+
+    def _carries(self, tensor: torch.Tensor) -> bool:
+        """Whether the plane moves `tensor` as it is: contiguous, on a device it carries."""
+        on_carried = self._carries_cpu if tensor.is_cpu else tensor.is_cuda and self._carries_cuda
+        return on_carried and tensor.is_contiguous()
+
+    def _working_device(self, tensor: torch.Tensor) -> torch.device:
+        """Where a working buffer for `tensor` lives: beside it where the plane carries its
+        device, else in host memory (staged)."""
+        on_carried = self._carries_cpu if tensor.is_cpu else tensor.is_cuda and self._carries_cuda
+        return tensor.device if on_carried else torch.device("cpu")
 
     def _fusion_buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
         buffer = self._fusion.get((dtype, device))

@@ -55,7 +55,8 @@ class Runtime:
 
     world: World  # numbered within this ring: a process set's rank 0 is its lowest run rank
     queue: OpQueue
-    transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical)
+    transport: str  # how data moves between ranks: "none", "tcp", "shm" or "shm+tcp" (hierarchical),
+    # "gloo" (every buffer through torch.distributed), or one of the first four + "+nccl"
     # Unnamed operations are named by how many of their kind this process submitted over this
     # ring before: ranks that call them in the same order name them alike.
     unnamed_submitted: collections.Counter = field(default_factory=collections.Counter)
@@ -77,7 +78,10 @@ def init() -> Runtime:
         if bootstrap is None:
             world = single_process_world()
             alone = RingTransport(world, (0,), None, None, {}, settings.timeout_s)
-            _runtime = _runtime_over(world, rendezvous.Connections(alone, None, None), settings)
+            # DDL_MAGIC_TORCH_PLANE=nccl or gloo holds for a world of one too (a group of one)
+            device_group = rendezvous.connect_device_group(world, {}, os.urandom(16), settings)
+            _runtime = _runtime_over(world, rendezvous.Connections(alone, None, None, device_group),
+                                     settings)
         else:
             world = derive_world(bootstrap.rank, bootstrap.peers)
             _runtime = _runtime_over(world, rendezvous.connect(world, bootstrap.listener,
@@ -141,7 +145,8 @@ def close_subset(runtime: Runtime) -> None:
 def _runtime_over(world: World, connections: rendezvous.Connections,
                   settings: Settings) -> Runtime:
     # the plane is chosen once per ring (a process set's too)
-    plane = choose_plane(connections.ring, connections.host_group, connections.cross)
+    plane = choose_plane(connections.ring, connections.host_group, connections.cross,
+                         connections.device_group)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
         queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,

@@ -8,6 +8,9 @@ Forming a ring, at `init()` and for each process set, is `connect`:
    on rank 0, every other rank's). Every connection proves the run's secret first.
 2. `connect_host_group`: shared memory. The ranks of one host map each other's segments,
    where that is wanted and works on every host.
+3. `connect_device_group`: a torch.distributed group (NCCL, or gloo standing in for it),
+   where `DDL_MAGIC_TORCH_PLANE` and what every rank can do call for one
+   (`planes/torch_distributed.py`).
 
 `context` then chooses, from these `Connections`, the plane that moves the bytes
 (`planes.choose_plane`) and the op queue that negotiates.
@@ -54,6 +57,7 @@ from .agreement import Exchange, gather
 from .errors import PeerLostError
 from .negotiation import Request
 from .planes.shared_memory import HostGroup, Neighbour, Segment, supported
+from .planes import torch_distributed
 from .planes.tcp import RingTransport
 from .settings import TRANSPORT_VARIABLE, Settings
 from .world import Peer, World, derive_world
@@ -69,27 +73,33 @@ class Connections:
     ring: RingTransport  # the ring of every rank, with rank 0's coordination links
     host_group: HostGroup | None  # shared memory with the ring's ranks on this host
     cross: RingTransport | None  # the ring across hosts, for hierarchical allreduce
+    device_group: torch_distributed.DeviceGroup | None = None  # NCCL (or gloo) for the buffers
 
 
 def connect(world: World, listener: socket.socket, secret: bytes, settings: Settings) -> Connections:
-    """Connect this rank's ring in `world`, plus shared memory and a cross ring where they help."""
-    host_group = None
+    """Connect this rank's ring in `world`, plus shared memory, a cross ring and a
+    torch.distributed group where they help."""
+    host_group = device_group = None
     hierarchical = settings.hierarchical and settings.transport != "tcp" and world.uniform_hosts
     transport, cross = connect_ring(world, listener, secret, timeout=settings.timeout_s,
                                     op_timeout=settings.timeout_s, cross=hierarchical)
     try:
-        if len(world.hosts) == 1 or hierarchical:  # else nothing would use it
+        # gloo carries every buffer itself: shared memory would sit unused
+        if (len(world.hosts) == 1 or hierarchical) and settings.torch_plane != "gloo":
             host_group = connect_host_group(world, transport.coordination, settings.transport,
                                             settings.timeout_s)
+        device_group = connect_device_group(world, transport.coordination, secret, settings)
     except BaseException:
         transport.close()
         if cross is not None:
             cross.close()
+        if host_group is not None:
+            host_group.close()
         raise
     if host_group is None and cross is not None:  # no shared memory: the flat ring
         cross.close()
         cross = None
-    return Connections(transport, host_group, cross)
+    return Connections(transport, host_group, cross, device_group)
 
 
 # ---- TCP: the ring, the cross ring and the coordination links ------------------------------
@@ -251,6 +261,28 @@ def connect_host_group(world: World, coordination: dict, choice: str,
         os.close(neighbour.segment.fd)
         neighbour.segment.fd = None
     return HostGroup(world, on_this_host, own, neighbours, op_timeout)
+
+
+# ---- torch.distributed: NCCL for CUDA buffers (gloo standing in on CPU) -----------------
+
+def connect_device_group(world: World, coordination: dict, secret: bytes,
+                         settings: Settings) -> torch_distributed.DeviceGroup | None:
+    """This ring's torch.distributed group, where one is wanted and every rank can run it;
+    None otherwise. Every rank decides alike: from the setting and the peer table whether to
+    ask, then from every rank's abilities (`torch_distributed.choose_backend`)."""
+    spans_hosts = len(world.hosts) > 1
+    if not torch_distributed.wants_group(settings.torch_plane, spans_hosts, world.size):
+        return None
+    exchange = over_coordination(world, coordination, settings.timeout_s,
+                                 "forming the torch.distributed group")
+    abilities = gather(torch_distributed.Abilities.of_this_process(world.local_size)
+                       if settings.torch_plane != "gloo" else None, exchange)
+    backend, note = torch_distributed.choose_backend(settings.torch_plane, spans_hosts, abilities)
+    if note is not None and world.rank == 0:
+        print(note, file=sys.stderr, flush=True)
+    if backend is None:
+        return None
+    return torch_distributed.form_group(world, exchange, secret, backend, settings.timeout_s)
 
 
 # ---- process sets: a ring over some of the run's ranks ---------------------------------------

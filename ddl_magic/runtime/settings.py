@@ -12,6 +12,8 @@ from dataclasses import dataclass
 TRANSPORT_VARIABLE = "DDL_MAGIC_TRANSPORT"
 TRANSPORT_CHOICES = ("auto", "tcp", "shm")
 DEFAULT_TIMEOUT_S = 300.0
+TORCH_PLANE_VARIABLE = "DDL_MAGIC_TORCH_PLANE"
+TORCH_PLANE_CHOICES = ("auto", "nccl", "gloo", "off")
 
 
 def transport_choice(value: str | None = None) -> str:
@@ -30,6 +32,24 @@ def transport_choice(value: str | None = None) -> str:
     return choice
 
 
+def torch_plane_choice(value: str | None = None) -> str:
+    """`DDL_MAGIC_TORCH_PLANE` (or `value`): which buffers go through a torch.distributed
+    group (`planes/torch_distributed.py`): auto, nccl, gloo or off.
+
+    >>> torch_plane_choice(" NCCL ")
+    'nccl'
+    """
+    if value is None:
+        value = os.environ.get(TORCH_PLANE_VARIABLE, "")
+    choice = value.strip().lower() or "auto"
+    if choice not in TORCH_PLANE_CHOICES:
+        raise ValueError(f"{TORCH_PLANE_VARIABLE}={value!r} is not one of "
+                         f"{', '.join(TORCH_PLANE_CHOICES)}: auto sends CUDA tensors through NCCL "
+                         "where they leave the host; nccl everywhere; gloo sends every tensor "
+                         "through gloo (the CPU stand-in for NCCL); off never uses NCCL")
+    return choice
+
+
 @dataclass(frozen=True)
 class Settings:
     """Tunables, read from the environment names Horovod users already know."""
@@ -40,6 +60,7 @@ class Settings:
     timeout_s: float
     transport: str  # DDL_MAGIC_TRANSPORT: auto, tcp or shm
     hierarchical: bool  # HOROVOD_HIERARCHICAL_ALLREDUCE, on unless set to 0
+    torch_plane: str = "auto"  # DDL_MAGIC_TORCH_PLANE: auto, nccl, gloo or off
 
     @classmethod
     def from_environment(cls) -> "Settings":
@@ -64,4 +85,5 @@ class Settings:
             transport=transport_choice(),
             hierarchical=os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "1").strip().lower()
             not in ("0", "false", "no", "off"),
+            torch_plane=torch_plane_choice(),
         )

@@ -11,6 +11,9 @@
                         hosts); its other collectives use the whole ring
     RingPlane           the TCP ring (`ring_plane.py`): the algorithm of `ring.py` over the
                         sockets of `tcp.py`, ordered host by host
+    TorchDistributedPlane  a torch.distributed group (`torch_distributed.py`): NCCL for CUDA
+                        buffers beside one of the planes above (`SplitByDevicePlane`), or
+                        gloo for every buffer, the CPU stand-in that tests the NCCL path
 
 A plane is given one flat buffer per collective: fusion, scaling, staging of GPU tensors and
 the timeline's labels are `CollectiveRunner`'s, so a new plane touches none of them. The
@@ -18,13 +21,13 @@ plane's `name` is what `context.current().transport` reports and the op queue is
 What a plane moves bytes over (the sockets, the mapped segments) is connected by
 `rendezvous.py` when the ring forms.
 
-Where a GPU plane plugs in: `gpu_memory` is how a plane offers device memory that the ranks
-reduce in directly. Within a host that is today part of the shared-memory plane: the same
-rounds run in GPU buffers mapped between the ranks through CUDA IPC (`peer_memory.py`). A
-plane that carries CUDA buffers across hosts (NCCL through `torch.distributed`, say) would
-be a module of its own here: it implements the four collectives on device buffers, answers
-`gpu_memory` for its device, and `choose_plane` picks it when every rank has a GPU;
-everything above it (fusion, staging, negotiation, the op queues) stays as it is.
+Where GPU buffers go. Within a host, `gpu_memory` is how the shared-memory plane offers
+device memory that the ranks reduce in directly: the same rounds run in GPU buffers mapped
+between the ranks through CUDA IPC (`peer_memory.py`). Where that cannot carry them (the
+ring leaves the host), `choose_plane` puts a torch.distributed plane on NCCL beside the host
+plane, and `device_types` tells `CollectiveRunner` that CUDA buffers then need no staging
+through host memory. A plane for another kind of device plugs in the same way: a group
+formed in `rendezvous.connect_device_group`, a plane that names its device type.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .ring_plane import RingPlane
 from .shared_memory import HostGroup
 from .shared_memory_plane import SharedMemoryPlane
 from .tcp import RingTransport
+from .torch_distributed import DeviceGroup, SplitByDevicePlane, TorchDistributedPlane
 
 Bounds = list[tuple[int, int]]  # (start, end) of each rank's part of a flat buffer, rank order
 
@@ -52,7 +56,10 @@ class Labels(Protocol):
 class DataPlane(Protocol):
     """Moves one flat buffer between the ranks of a ring, in place."""
 
-    name: str  # "none" (a world of one), "tcp", "shm" or "shm+tcp"
+    name: str  # "none" (a world of one), "tcp", "shm", "shm+tcp", "gloo", or one of those + "+nccl"
+    device_types: frozenset[str]
+    """The device types whose buffers the plane moves itself; a buffer elsewhere is staged
+    through host memory (or, within a host, the peer-mapped `gpu_memory`)."""
     lockstep_group: HostGroup | None
     """The shared-memory group of every rank of the ring, where the plane is one: the op
     queue then negotiates in lockstep through its rounds, and a small allreduce's data rides
@@ -82,9 +89,20 @@ class DataPlane(Protocol):
 
 
 def choose_plane(transport: RingTransport, host_group: HostGroup | None,
-                 cross: RingTransport | None) -> DataPlane:
+                 cross: RingTransport | None, device_group: DeviceGroup | None = None) -> DataPlane:
     """The plane for what `init()` could connect: a host group holding every rank, a host
-    group and a ring across hosts, or the ring alone."""
+    group and a ring across hosts, or the ring alone; with a torch.distributed group, that
+    group for every buffer (gloo) or for the CUDA ones (NCCL)."""
+    if device_group is not None and device_group.backend == "gloo":
+        return TorchDistributedPlane(device_group, transport.op_timeout, transport)
+    host = _host_plane(transport, host_group, cross)
+    if device_group is None:
+        return host
+    return SplitByDevicePlane(host, TorchDistributedPlane(device_group, transport.op_timeout))
+
+
+def _host_plane(transport: RingTransport, host_group: HostGroup | None,
+                cross: RingTransport | None) -> DataPlane:
     if host_group is not None and host_group.size == transport.world.size:
         return SharedMemoryPlane(host_group, transport)
     if host_group is not None and cross is not None:

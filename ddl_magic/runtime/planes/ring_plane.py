@@ -23,6 +23,7 @@ class RingPlane:
     """The TCP ring: `ring.py`'s algorithms, each step observed for the timeline."""
 
     lockstep_group = None  # the ring leaves the host (or is a world of one)
+    device_types = frozenset({"cpu"})  # CUDA buffers are staged through host memory
 
     def __init__(self, transport: RingTransport):
         self.transport = transport

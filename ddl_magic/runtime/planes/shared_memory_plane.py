@@ -21,6 +21,7 @@ class SharedMemoryPlane:
     """Every rank of the ring on this host: each rank reduces from the others' segments."""
 
     name = "shm"
+    device_types = frozenset({"cpu"})  # CUDA buffers: staged, or `gpu_memory` within a host
 
     def __init__(self, host_group: HostGroup, transport: RingTransport):
         self.host_group = host_group

@@ -1,0 +1,258 @@
+"""The torch.distributed plane, with gloo standing in for NCCL on CPU tensors.
+
+One launch of 3 ranks runs every Horovod op (and a process set's, and the `ddl` backend's)
+twice: with `DDL_MAGIC_TORCH_PLANE=gloo`, every buffer through a gloo group (the code path
+CUDA tensors take through NCCL), then, after an elastic-style reset (`shutdown`, `init`), on
+the shared-memory plane. The results must agree: bit for bit for integers, within rounding
+for floats (the two sum in different orders). The choice of backend, the waits' deadline and
+abort are pure logic and small fakes, tested without processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddl_magic.driver.job import Job, JobOptions
+from ddl_magic.launch.local import LocalLauncher
+from ddl_magic.runtime.errors import CollectiveAbortedError, CollectiveTimeoutError
+from ddl_magic.runtime.planes.torch_distributed import (Abilities, DeviceGroup, TorchDistributedPlane,
+                                                        choose_backend, wants_group)
+from ddl_magic.runtime.settings import torch_plane_choice
+from ddl_magic.runtime.world import single_process_world
+from ddl_magic.timeline.analysis import lane_category
+from ddl_magic.wire.tasks import FunctionTask
+from trace_files import chrome_events
+
+NP = 3
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8)
+
+
+def own(rank: int, dtype: torch.dtype, rows: int = 4, device: str = "cpu") -> torch.Tensor:
+    """A rank's tensor: small values, exact in every dtype when summed or multiplied over 3."""
+    return ((torch.arange(rows * 3).reshape(rows, 3) * 7 + rank * 5) % 4 + 1).to(device, dtype)
+
+
+def every_op(hvd, device: str = "cpu") -> tuple[dict, str | None]:
+    """Every op a user calls, on this rank, on tensors on `device`: name -> result (on the
+    CPU); the plane of a process set of the first and last ranks (None where not a member)."""
+    rank, results, set_transport = hvd.rank(), {}, None
+    members = [0, hvd.size() - 1]
+    tensor = functools.partial(own, device=device)
+
+    for dtype in DTYPES:
+        tag = str(dtype).removeprefix("torch.")
+        for op_name, op in (("sum", hvd.Sum), ("min", hvd.Min), ("max", hvd.Max),
+                            ("product", hvd.Product)):
+            results[f"allreduce {op_name} {tag}"] = hvd.allreduce(tensor(rank, dtype), op=op)
+        if dtype.is_floating_point:
+            results[f"allreduce average {tag}"] = hvd.allreduce(tensor(rank, dtype))
+            results[f"allreduce prescale {tag}"] = hvd.allreduce(
+                tensor(rank, dtype), op=hvd.Sum, prescale_factor=0.5, postscale_factor=2.0)
+        results[f"grouped {tag}"] = torch.cat([t.flatten() for t in hvd.grouped_allreduce(
+            [tensor(rank, dtype, rows) for rows in (1, 2, 5)], op=hvd.Sum)])
+        results[f"allgather {tag}"] = hvd.allgather(tensor(rank, dtype, rows=rank + 1))
+        results[f"broadcast {tag}"] = hvd.broadcast(tensor(rank, dtype), root_rank=hvd.size() - 1)
+        splits = torch.tensor([1, 2, 3][:hvd.size()], dtype=torch.int32)
+        received, counts = hvd.alltoall(tensor(rank, dtype, rows=int(splits.sum())), splits=splits)
+        results[f"alltoall {tag}"], results[f"alltoall counts {tag}"] = received, counts
+        results[f"reducescatter {tag}"] = hvd.reducescatter(tensor(rank, dtype, rows=7), op=hvd.Sum)
+        results[f"reducescatter even {tag}"] = hvd.reducescatter(tensor(rank, dtype, rows=6), op=hvd.Sum)
+    in_place = tensor(rank, torch.float32)
+    hvd.allreduce_(in_place, op=hvd.Sum)
+    results["allreduce_ in place"] = in_place
+    if hvd.size() < 2:
+        return {name: t.cpu() for name, t in results.items()}, None
+    process_set = hvd.add_process_set(members)
+    try:
+        if rank in members:
+            set_transport = process_set.runtime("test").transport
+            for dtype in (torch.float32, torch.int64):
+                tag = str(dtype).removeprefix("torch.")
+                results[f"set allreduce {tag}"] = hvd.allreduce(tensor(rank, dtype), op=hvd.Sum,
+                                                               process_set=process_set)
+                results[f"set allgather {tag}"] = hvd.allgather(tensor(rank, dtype, rows=rank + 1),
+                                                               process_set=process_set)
+                results[f"set broadcast {tag}"] = hvd.broadcast(tensor(rank, dtype), root_rank=members[-1],
+                                                               process_set=process_set)
+                results[f"set reducescatter {tag}"] = hvd.reducescatter(
+                    tensor(rank, dtype, rows=5), op=hvd.Sum, process_set=process_set)
+                results[f"set reducescatter even {tag}"] = hvd.reducescatter(
+                    tensor(rank, dtype, rows=4), op=hvd.Sum, process_set=process_set)
+    finally:
+        hvd.remove_process_set(process_set)
+    return {name: t.cpu() for name, t in results.items()}, set_transport
+
+
+def through_the_ddl_backend(rank: int, size: int, device: str = "cpu") -> dict:
+    """DDP's calls through `init_process_group("ddl")`, over whichever plane the ring has."""
+    import torch.distributed as dist
+
+    dist.init_process_group("ddl")
+    try:
+        summed = own(rank, torch.float32, device=device)
+        dist.all_reduce(summed)
+        gathered = [torch.empty(4, 3, device=device) for _ in range(size)]
+        dist.all_gather(gathered, own(rank, torch.float32, device=device))
+        return {"ddl all_reduce": summed.cpu(), "ddl all_gather": torch.cat(gathered).cpu()}
+    finally:
+        dist.destroy_process_group()
+
+
+def on_both_planes() -> dict:
+    import os
+
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+
+    runs = {}
+    for plane in ("gloo", "auto"):
+        os.environ["DDL_MAGIC_TORCH_PLANE"] = plane
+        hvd.init()
+        transport = context.current("test").transport
+        results, set_transport = every_op(hvd)
+        results.update(through_the_ddl_backend(hvd.rank(), hvd.size()))
+        runs[plane] = ((transport, set_transport), results)
+        hvd.shutdown()  # as an elastic reset does: the next init() forms the ring anew
+    return runs
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[list, Path]:
+    """Every rank's runs, and the run's timeline (recorded throughout)."""
+    timeline = tmp_path_factory.mktemp("timeline") / "run.timeline.json"
+    options = JobOptions(timeout_s=180, return_all=True, hide_output=True, timeline_path=str(timeline))
+    return Job(FunctionTask(on_both_planes, {}), NP, LocalLauncher(), options).run().results, timeline
+
+
+@pytest.fixture(scope="module")
+def runs(recorded):
+    return recorded[0]
+
+
+def test_the_gloo_run_went_through_gloo_and_the_other_through_shared_memory_process_sets_too(runs):
+    assert [rank_runs["gloo"][0] for rank_runs in runs] == [("gloo", "gloo"), ("gloo", None),
+                                                            ("gloo", "gloo")]
+    assert [rank_runs["auto"][0] for rank_runs in runs] == [("shm", "shm"), ("shm", None),
+                                                            ("shm", "shm")]
+
+
+def test_every_op_agrees_with_the_shared_memory_plane(runs):
+    mismatches = []
+    for rank, rank_runs in enumerate(runs):
+        gloo, shm = rank_runs["gloo"][1], rank_runs["auto"][1]
+        assert gloo.keys() == shm.keys()
+        for name, expected in shm.items():
+            got = gloo[name]
+            if got.dtype != expected.dtype or got.shape != expected.shape:
+                mismatches.append(f"rank {rank} {name}: {got.dtype} {tuple(got.shape)} vs "
+                                  f"{expected.dtype} {tuple(expected.shape)}")
+            elif expected.dtype.is_floating_point:
+                if not torch.allclose(got.double(), expected.double(), rtol=1e-2, atol=1e-2):
+                    mismatches.append(f"rank {rank} {name}: {got.tolist()} vs {expected.tolist()}")
+            elif not torch.equal(got, expected):  # integers: bit for bit
+                mismatches.append(f"rank {rank} {name}: {got.tolist()} vs {expected.tolist()}")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_the_results_are_right_not_only_alike(runs):
+    gloo = [rank_runs["gloo"][1] for rank_runs in runs]
+    expected = sum(own(rank, torch.int64) for rank in range(NP))
+    assert all(torch.equal(results["allreduce sum int64"], expected) for results in gloo)
+    assert "set allreduce int64" in gloo[0] and "set allreduce int64" not in gloo[1]
+    assert torch.equal(gloo[2]["set allreduce int64"], own(0, torch.int64) + own(2, torch.int64))
+    assert torch.equal(gloo[1]["reducescatter int32"], sum(own(r, torch.int32, rows=7) for r in range(NP))[3:5])
+
+
+def test_the_timeline_shows_each_collective_through_gloo_as_communication(recorded):
+    lanes = {lane for _, lane, *_ in chrome_events(recorded[1])}
+    through_gloo = {"GLOO_ALLREDUCE", "GLOO_REDUCESCATTER", "GLOO_ALLGATHER", "GLOO_BROADCAST"}
+    assert through_gloo <= lanes and {"negotiate", "pack", "shared_memory"} <= lanes, lanes
+    assert {lane_category(lane) for lane in through_gloo} == {"communicate"}
+
+
+# ---- pure logic and small fakes ---------------------------------------------------------
+
+GPU, NO_GPU = Abilities(True, None), Abilities(False, "no GPU is visible")
+
+
+def test_auto_uses_nccl_only_where_the_ring_leaves_the_host():
+    assert choose_backend("auto", True, [GPU, GPU]) == ("nccl", None)
+    assert choose_backend("auto", False, [GPU, GPU]) == (None, None)  # one host: CUDA IPC
+    assert wants_group("auto", spans_hosts=True, size=2)
+    assert not wants_group("auto", spans_hosts=False, size=2)  # no round of agreement asked
+    assert not wants_group("auto", spans_hosts=True, size=1)
+    assert wants_group("nccl", spans_hosts=False, size=1)
+    assert not wants_group("off", spans_hosts=True, size=2)
+
+
+def test_missing_nccl_falls_back_with_one_line_or_is_refused_when_forced():
+    backend, note = choose_backend("auto", True, [GPU, NO_GPU])
+    assert backend is None and "rank 1: no GPU is visible" in note and "\n" not in note
+    assert choose_backend("auto", True, [NO_GPU, NO_GPU]) == (None, None)  # CPU only: silent
+    with pytest.raises(RuntimeError, match="NCCL cannot run on rank 1.*DDL_MAGIC_TORCH_PLANE=auto"):
+        choose_backend("nccl", False, [GPU, NO_GPU])
+    assert choose_backend("gloo", False, [None, None]) == ("gloo", None)
+
+
+def test_this_machine_offers_what_it_has(monkeypatch):
+    here = Abilities.of_this_process(ranks_on_host=2)
+    assert here.has_gpu == torch.cuda.is_available() and (here.nccl_problem is None) == (
+        torch.distributed.is_nccl_available() and torch.cuda.device_count() >= 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    shared = Abilities.of_this_process(ranks_on_host=2)
+    assert shared.nccl_problem == "its host has 1 GPU(s) for 2 ranks, and NCCL needs a GPU per rank"
+
+
+def test_a_bad_setting_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="auto, nccl, gloo, off"):
+        torch_plane_choice("mpi")
+
+
+class _StuckWork:
+    """A collective that never completes (a rank stalled inside it)."""
+
+    def get_future(self):
+        return torch.futures.Future()
+
+    def is_completed(self):
+        return False
+
+
+def _plane(timeout_s: float) -> TorchDistributedPlane:
+    world = single_process_world()
+    return TorchDistributedPlane(DeviceGroup("gloo", object(), object(), world), timeout_s)
+
+
+def test_a_stalled_collective_times_out_naming_the_ranks():
+    with pytest.raises(CollectiveTimeoutError, match=r"allreduce over gloo did not complete within "
+                                                     r"0 s on ranks \[0\]"):
+        _plane(0.2)._wait(_StuckWork(), "allreduce")
+
+
+def test_abort_ends_a_wait_at_once():
+    plane = _plane(60)
+    threading.Timer(0.1, plane.abort, args=("the cell was stopped",)).start()
+    with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
+        plane._wait(_StuckWork(), "broadcast")
+
+
+def test_a_script_run_with_plain_python_honours_the_setting_too(monkeypatch):
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime import context
+
+    monkeypatch.setenv("DDL_MAGIC_TORCH_PLANE", "gloo")
+    hvd.init()
+    try:
+        assert context.current("test").transport == "gloo"
+        assert hvd.allreduce(torch.arange(3.0), op=hvd.Sum).tolist() == [0.0, 1.0, 2.0]
+        assert hvd.allgather(torch.ones(2, 1)).shape == (2, 1)
+    finally:
+        hvd.shutdown()
