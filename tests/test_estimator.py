@@ -51,9 +51,20 @@ class RowNotingNet(torch.nn.Module):
 
 
 def shards_left() -> list[str]:
-    """Shards the tasks left on disk (under Spark's local directories or the temporary one)."""
-    return glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-shard-*", "*"),
-                     recursive=True)
+    """Shares a process of this test session still holds (files with no name: nothing is
+    ever left on disk), or left on disk by name (never)."""
+    import psutil
+
+    named = glob.glob(os.path.join(tempfile.gettempdir(), "**", "ddl_magic-share-*"),
+                      recursive=True)
+    held = []
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            held += [target for fd in os.listdir(f"/proc/{process.pid}/fd")
+                     if "ddl_magic-share-" in (target := os.readlink(f"/proc/{process.pid}/fd/{fd}"))]
+        except OSError:
+            continue
+    return named + held
 
 
 def rows_trained_on(notes_dir) -> list[int]:

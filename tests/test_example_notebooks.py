@@ -125,12 +125,17 @@ run = ddl_magic.last_run()
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 def test_02_mnist_cnn_trains_with_per_rank_progress_and_spark_scores_it():
     notebook, report = run_notebook("02_mnist_cnn.ipynb", """
-import ddl_magic
-run = ddl_magic.last_run()
+run = training_run
+shares = ddl_magic.last_run()
 {"test": test_accuracy, "spark": spark_accuracy, "scored": len(results), "epochs": EPOCHS,
- "logs": [run.log(rank) for rank in range(run.np)], "status": run.status}
+ "logs": [run.log(rank) for rank in range(run.np)], "status": run.status,
+ "share_logs": [shares.log(rank) for rank in range(shares.np)], "resumed": resumed_alike}
 """)
     assert report["status"] == "done"
+    # Lab 2's last run trained on a Spark DataFrame's shares and resumed mid-epoch exactly.
+    assert report["resumed"] is True
+    assert "rank 0: 2000 of the 4000 digits, 62 steps per epoch" in report["share_logs"][0]
+    assert "train: 62 steps of 32 rows per epoch on each of 2 ranks" in report["share_logs"][0]
     assert report["test"] >= 0.9
     assert report["scored"] == 1000
     # The same model on the same digits, on the ranks and on Spark's executors.

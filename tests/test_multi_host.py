@@ -145,6 +145,36 @@ def test_four_ranks_on_two_hosts_are_numbered_by_host_and_train_as_one_process(s
     assert latest_start <= earliest_end + 1000, "a rank's allreduce ends before another's begins"
 
 
+def read_share(train):
+    """Where this rank runs, whose process handed it its share, and the ids in the share."""
+    import socket
+
+    import psutil
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    ids = [int(i) for batch in train.loader(batch_size=10, columns=["id"], drop_last=False)
+           for i in batch["id"]]
+    return {"host": socket.gethostname(), "ids": ids,
+            "writer": " ".join(psutil.Process().parent().cmdline())}
+
+
+def test_shares_are_written_on_each_hosts_executor_and_read_by_the_ranks_there(spark):
+    from ddl_magic.launch.shares import prepare_shares
+
+    frame = spark.range(0, 404, 1, 3)
+    data = prepare_shares({"train": frame}, NP, on_spark=True)
+    options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
+    run = Job(FunctionTask(read_share, {"train": data.shares["train"]}), NP,
+              SparkLauncher(data=data.spark_stage), options).run()
+    ranks = run.results
+    assert len({rank["host"] for rank in ranks}) == 2
+    assert [r.host for r in run.ranks] == [rank["host"] for rank in ranks]
+    assert all("pyspark" in rank["writer"] for rank in ranks)  # its Spark task, beside it
+    assert sorted(i for rank in ranks for i in rank["ids"]) == list(range(404))
+
+
 def test_more_ranks_than_the_clusters_slots_is_refused_at_once(spark):
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"np=5 needs 5 Spark task slots .* has 4 "):

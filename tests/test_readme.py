@@ -170,8 +170,9 @@ def test_the_first_cells_run_in_a_kernel_as_two_cells():
 
 @pytest.mark.timeout(240)
 def test_the_pool_cells_run_one_after_another_on_ranks_that_keep_their_state():
-    first, _, *pool_cells = blocks("cell")
-    assert pool_cells[0].startswith("%horovod start") and pool_cells[-1] == "%horovod stop"
+    first, _, *rest = blocks("cell")
+    pool_cells = rest[:rest.index("%horovod stop") + 1]
+    assert pool_cells[0].startswith("%horovod start")
     kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"})
     try:
         assert kernel.run(first).error is None
@@ -183,6 +184,23 @@ def test_the_pool_cells_run_one_after_another_on_ranks_that_keep_their_state():
         report = re.search(r"captured lr \(float\) · the ranks' own: ([\w, ]+)", printed)
         assert report and {"model", "optimizer"} <= {name.strip() for name in report.group(1).split(",")}, printed
         assert kernel.run("type(trained_model).__name__").result == "'Linear'"
+    finally:
+        kernel.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_data_cells_give_each_rank_its_share_and_say_what_an_epoch_reads():
+    first, *rest = blocks("cell")
+    data_cells = rest[rest.index("%horovod stop") + 1:]
+    assert data_cells[-1].startswith("%%horovod -np 2 --data train=df")
+    kernel = Kernel(env={"DDL_MAGIC_DISPLAY": "text"})
+    try:
+        outputs = [kernel.run(cell, timeout=90) for cell in [first, *data_cells]]
+        assert all(output.error is None for output in outputs), [o.error for o in outputs]
+        printed = outputs[-1].text
+        for line in re.findall(r"^(?:ddl_magic: train|\[0\] train): .*$", README, re.MULTILINE):
+            assert line in printed, (line, printed)
+        assert outputs[-1].result == "7"
     finally:
         kernel.close()
 

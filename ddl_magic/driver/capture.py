@@ -185,6 +185,10 @@ def _pickle(task: CellTask, names: dict) -> bytes:
 def _first_unpicklable(values: dict) -> str | None:
     """"'lock' (lock), which cannot be sent to the ranks: TypeError: ..." for the first one."""
     for name, value in values.items():
+        if type(value).__name__ == "DataFrame" and type(value).__module__.startswith("pyspark"):
+            return (f"{name!r} (a Spark DataFrame), whose rows cannot be sent whole: give them "
+                    f"to the ranks as their shares, %horovod data {name}={name} in a pool (once: "
+                    f"the ranks keep them), or --data {name}={name} for one function run")
         try:
             cloudpickle.dumps(value)
         except Exception as exc:

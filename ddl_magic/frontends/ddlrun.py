@@ -32,6 +32,7 @@ from ..driver.run_result import RankFailedError, RunTimeoutError, restarts_made
 from ..driver.watcher import RanksNotConnectedError
 from ..launch.local import LocalLauncher
 from ..wire.tasks import CodeTask, ModuleTask, ScriptTask
+from .data_options import parse_data, shares_for_run
 
 USAGE = ("ddlrun runs a Python command: ddlrun -np 2 python train.py [args], "
          "ddlrun -np 2 python -m package.module [args], ddlrun -np 2 python -c CODE [args], "
@@ -53,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     TIMELINE.but(nargs=None, const=None, default=os.environ.get("HOROVOD_TIMELINE"),
                  help="write every rank's timeline to PATH (Chrome trace format); "
                       "HOROVOD_TIMELINE does the same").add_to(parser)
+    parser.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
+                        help="give the ranks a dataset: Parquet files or a folder, a Delta "
+                             "table or an Arrow file; each rank reads its share with "
+                             "ddl_magic.data.share(NAME).loader(batch_size=...) (repeatable)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="python script.py | python -m module | python -c code, then its "
                              "arguments (or just script.py [args...])")
@@ -133,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     options = checked(args, parser.error, example="ddlrun -np 2 python train.py")
     try:
         task = command_task(args.command)
+        datasets = parse_data(args.data, {})
     except ValueError as exc:
         parser.error(str(exc))
     job_options = JobOptions(display=make_display, timeout_s=args.timeout,
@@ -141,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                              max_np=args.max_np, max_restarts=args.max_restarts,
                              memory_per_rank=args.memory_per_rank)
     try:
-        Job(task, args.np, LocalLauncher(), job_options).run()
+        with shares_for_run(datasets, args.np, on_spark=False) as data:
+            task.shares.update(data.shares)
+            Job(task, args.np, LocalLauncher(), job_options).run()
+    except (FileNotFoundError, TypeError, KeyError) as exc:  # a dataset refused before launch
+        print(f"ddlrun: {exc}", file=sys.stderr)
+        return 2
     except RankFailedError as exc:
         if exc.restarts:  # the display showed the failure; this says the restarts ran out
             print(f"ddlrun: rank {exc.rank} failed: {exc.reason}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from .data_options import datasets_among, shares_for_run
 from .options import make_display, make_launcher
 from ..driver.capture import capture_function
 from ..driver.job import Job, JobOptions
@@ -67,16 +68,18 @@ class DistributedFunction:
                 "SparkSession, and there is none: create one first "
                 "(SparkSession.builder.getOrCreate()), or drop remote=True to run the ranks "
                 "as processes on this machine")
-        launcher = make_launcher(spark=self.remote)
         if self.use_gpu and not self.remote:
             self._check_local_gpus()
-        payload = capture_function(self.__wrapped__, kwargs, args)
-        job = Job(payload, self.np, launcher, self._options)
-        try:
-            self.last_run = job.run()
-        except RankFailedError as failure:
-            self.last_run = failure.run  # which rank failed how, and every rank's logs
-            raise
+        with shares_for_run(datasets_among(kwargs), self.np, self.remote,
+                            quiet=self._options.hide_output) as data:
+            launcher = make_launcher(spark=self.remote, data=data)
+            payload = capture_function(self.__wrapped__, {**kwargs, **data.shares}, args)
+            job = Job(payload, self.np, launcher, self._options)
+            try:
+                self.last_run = job.run()
+            except RankFailedError as failure:
+                self.last_run = failure.run  # which rank failed how, and every rank's logs
+                raise
         return self.last_run.results
 
     def _check_local_gpus(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import difflib
 import re
 
@@ -11,13 +12,14 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .options import (HorovodUsageError, checked, launch_options, make_display, make_launcher,
-                      run_options, shows_run_view)
-from ..driver.capture import CaptureError, capture_cell, format_bytes, unknown_names
+                      run_options, shows_run_view, wants_spark)
+from ..driver.capture import CaptureError, capture_cell, format_bytes, names_read, unknown_names
 from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
 from .pool_magic import POOL_RESTARTS_REFUSED, cell_filename, run_cell_on_pool, run_line, transform_body
+from .data_options import dataframes_read, parse_data, shares_for_run
 
 __all__ = ["CellInterrupted", "HorovodMagics", "HorovodUsageError", "show_run_error"]
 
@@ -121,13 +123,11 @@ class HorovodMagics(Magics):
         # The leading newline stands for the %%horovod line, so tracebacks from the ranks
         # give line numbers as the notebook shows them.
         source = "\n" + transform_body(self.shell, cell)
-        _refuse_unknown_names(source, self.shell.user_ns)
-        captured = capture_cell(source, self.shell.user_ns, filename=cell_filename(self.shell))
-        if not args.quiet:
-            print(captured.report())
-        if captured.is_large:
-            print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
-                  "load large data on each rank (from files) instead of capturing it")
+        try:
+            datasets = parse_data(args.data, self.shell.user_ns)
+        except ValueError as exc:
+            raise HorovodUsageError(str(exc)) from None
+        datasets.update(dataframes_read(names_read(source), self.shell.user_ns, datasets))
         job_options = JobOptions(display=make_display, timeout_s=args.timeout,
                                  return_all=args.all_ranks, env=options.env,
                                  timeline_path=args.timeline, use_gpu=args.gpu,
@@ -136,7 +136,17 @@ class HorovodMagics(Magics):
                                  max_restarts=args.max_restarts,
                                  memory_per_rank=args.memory_per_rank)
         try:
-            run = Job(captured.payload, args.np, make_launcher(options.spark), job_options).run()
+            with shares_for_run(datasets, args.np, wants_spark(options.spark), args.quiet) as data:
+                namespace = collections.ChainMap(data.shares, self.shell.user_ns)
+                _refuse_unknown_names(source, namespace)
+                captured = capture_cell(source, namespace, filename=cell_filename(self.shell))
+                if not args.quiet:
+                    print(captured.report())
+                if captured.is_large:
+                    print(f"ddl_magic warning: the payload is {format_bytes(len(captured.payload))}; "
+                          "load large data on each rank (from files) instead of capturing it")
+                launcher = make_launcher(options.spark, data)
+                run = Job(captured.payload, args.np, launcher, job_options).run()
         except KeyboardInterrupt:
             record = last_run()
             logs = (f"; their logs are in {record.log_dir}"

@@ -36,6 +36,7 @@ from ..driver.run_options import OptionError, check_options
 from ..driver.text_display import TextDisplay
 from ..launch import spark_session
 from ..launch.local import LocalLauncher
+from ..launch.shares import RunData
 
 DISPLAY_ENV = "DDL_MAGIC_DISPLAY"
 
@@ -114,7 +115,15 @@ MLFLOW = Option(("--mlflow",), dict(
          "tracked anyway while the notebook has an active MLflow run, unless "
          "DDL_MAGIC_MLFLOW=off"))
 
-LAUNCH_OPTIONS = (NP, MIN_NP, SPARK, LOCAL, TIMELINE, ENV, MEMORY_PER_RANK, GPU)
+DATA = Option(("--data",), dict(
+    action="append", default=[], metavar="NAME=VALUE",
+    help="give the ranks a dataset: VALUE a Spark or pandas DataFrame of the notebook, or the "
+         "path of Parquet files, a Delta table or an Arrow file. On each rank NAME is that "
+         "rank's share: NAME.loader(batch_size=...) yields dicts of tensors, every rank the "
+         "same number of steps per epoch (repeatable). In a cell, a Spark DataFrame the cell "
+         "reads is its share without it; a pool keeps its data across cells"))
+
+LAUNCH_OPTIONS = (NP, MIN_NP, SPARK, LOCAL, TIMELINE, ENV, MEMORY_PER_RANK, GPU, DATA)
 """Where and how the ranks start: `%%horovod` and `%horovod start`."""
 RUN_OPTIONS = (MAX_NP, MAX_RESTARTS, TIMEOUT, MLFLOW)
 """What one run may do: `%%horovod` (`ddlrun` takes those that make sense in a terminal)."""
@@ -172,15 +181,19 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-def make_launcher(spark: bool | None) -> Launcher:
-    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active)."""
-    if spark is None:
-        spark = spark_session() is not None
-    if not spark:
+def make_launcher(spark: bool | None, data: RunData | None = None) -> Launcher:
+    """Spark barrier tasks if asked (or, when `spark` is None, if a SparkSession is active);
+    `data`: the run's datasets, whose Spark DataFrames the barrier stage then runs over."""
+    if not wants_spark(spark):
         return LocalLauncher()
     from ..launch.spark import SparkLauncher
 
-    return SparkLauncher()
+    return SparkLauncher(data=data.spark_stage if data is not None else None)
+
+
+def wants_spark(spark: bool | None) -> bool:
+    """Whether a run whose front-end said `spark` (None: not said) runs on Spark."""
+    return spark_session() is not None if spark is None else spark
 
 
 def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str | None = None,

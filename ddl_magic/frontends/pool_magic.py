@@ -22,17 +22,23 @@ import shlex
 import time
 from typing import Any
 
+import cloudpickle
+
 from ..driver.capture import capture_cell, format_bytes
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
 from ..launch.local import release_rank_factory
+from ..launch.shares import is_spark_dataframe
+from ..wire.tasks import CellTask
+from .data_options import parse_data, shares_for_run
 from .options import (LAUNCH_OPTIONS, MAX_RESTARTS, NP, HorovodUsageError, checked,
-                      make_display, make_launcher)
+                      make_display, make_launcher, wants_spark)
 
 
 def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None = None,
           timeline: str | None = None, use_gpu: bool = False, quiet: bool = False,
-          min_np: int | None = None, memory_per_rank: str | None = None) -> Pool:
+          min_np: int | None = None, memory_per_rank: str | None = None,
+          data: dict[str, object] | None = None) -> Pool:
     """Start `np` ranks that live between cells (Spark barrier tasks where `spark`, or where
     a SparkSession is active and `spark` is None; else local processes).
 
@@ -48,10 +54,51 @@ def start(np: int = 2, *, spark: bool | None = None, env: dict[str, str] | None 
     empty; the others keep their state) while `min_np` ranks are left, instead of breaking
     the pool; `pool.replaced` says what each replacement said. `memory_per_rank` ('2GiB')
     caps each local rank's memory, as `%%horovod --memory-per-rank` does.
+
+    `data={"train": df}` gives the ranks datasets at once (`load_data`): on Spark, a Spark
+    DataFrame's shares are written by the pool's own tasks as it starts, beside each rank.
     """
     display = _quiet_display if quiet else make_display
-    return Pool(np, make_launcher(spark), env=env, timeline_path=timeline, use_gpu=use_gpu,
-                display=display, min_np=min_np, memory_per_rank=memory_per_rank).start()
+    with shares_for_run(data or {}, np, wants_spark(spark), quiet) as prepared:
+        pool = Pool(np, make_launcher(spark, data=prepared), env=env, timeline_path=timeline,
+                    use_gpu=use_gpu, display=display, min_np=min_np,
+                    memory_per_rank=memory_per_rank).start()
+        if prepared.shares:
+            _install(pool, prepared)
+    return pool
+
+
+def load_data(pool: Pool, datasets: dict[str, object], quiet: bool = False) -> None:
+    """Give a pool's ranks datasets, kept on them across cells until replaced: each name on
+    each rank is that rank's share (`%horovod data train=df`). The shares are made ready now
+    (read from their source, for Parquet and Delta), not in the next cell.
+
+    A Spark DataFrame reaches a Spark pool's ranks only as it starts (`start(data=...)`): its
+    tasks, which hold their slots for the pool's life, are the ones that write the shares.
+    """
+    pool.check_usable()
+    on_spark = pool.where.startswith("Spark")
+    frames = [name for name, value in datasets.items() if is_spark_dataframe(value)]
+    if on_spark and frames:
+        raise PoolError(
+            f"{', '.join(frames)}: a Spark DataFrame's shares are written by the Spark tasks "
+            "of the pool's ranks, which only take rows as the pool starts: %horovod stop, "
+            f"then %horovod start -np {pool.np} --data {frames[0]}=... (the ranks' state is "
+            "lost); or write the DataFrame to Parquet and give the path here")
+    with shares_for_run(datasets, pool.np, on_spark, quiet) as prepared:
+        _install(pool, prepared)
+
+
+def _install(pool: Pool, prepared) -> None:
+    """Each share under its name in every rank's namespace, its file opened (written first,
+    for Parquet and Delta) before this returns; the ranks then hold what the driver lets go."""
+    names = "\n".join(f"{name} = __ddl_magic_shares__[{name!r}]" for name in prepared.shares)
+    source = ("for __ddl_magic_share__ in __ddl_magic_shares__.values():\n"
+              "    __ddl_magic_share__.file()\n"
+              f"{names}\ndel __ddl_magic_shares__, __ddl_magic_share__\n")
+    task = CellTask(source, {"__ddl_magic_shares__": prepared.shares}, "<%horovod data>")
+    pool.run_cell(cloudpickle.dumps(task), title=f"%horovod data {', '.join(prepared.shares)}",
+                  quiet=True)
 
 
 def _quiet_display(ranks, *, quiet=True, log_dir=None, title="", timeline_path=None):
@@ -66,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
         (option.but(required=True) if option is NP else option).add_to(started)
     # Known only to be refused in words (a pool's cells are never restarted), not argparse's.
     MAX_RESTARTS.add_to(started)
+    loaded = commands.add_parser("data", add_help=False, exit_on_error=False)
+    loaded.add_argument("datasets", nargs="+", metavar="NAME=VALUE")
     for name in ("stop", "status", "restart", "release"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
@@ -80,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]] "
-              "[--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] · %horovod status · %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
+              "[--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] [--data NAME=VALUE ...] "
+              "· %horovod data NAME=VALUE ... · %horovod status "
+              "· %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
               "· %horovod restart · %horovod stop · %horovod auto [off] · %horovod release")
 
 
@@ -100,7 +151,15 @@ def run_line(shell, line: str):
     pool = active_pool()
     match args.command:
         case "start":
-            return _start(args)
+            return _start(shell, args)
+        case "data":
+            try:
+                datasets = parse_data(args.datasets, shell.user_ns)
+            except ValueError as exc:
+                raise HorovodUsageError(str(exc)) from None
+            load_data(_the_pool(pool), datasets)
+            print(f"ddl_magic: {', '.join(datasets)} on every rank of the pool, each its own "
+                  "share, until replaced")
         case "stop":
             set_auto(shell, False)
             if pool is None:
@@ -175,16 +234,21 @@ def _the_pool(pool: Pool | None) -> Pool:
     return pool
 
 
-def _start(args) -> None:
+def _start(shell, args) -> None:
     if args.max_restarts:
         raise HorovodUsageError(POOL_RESTARTS_REFUSED)
     options = checked(args, HorovodUsageError, example="%horovod start -np 2")
+    try:
+        datasets = parse_data(args.data, shell.user_ns)
+    except ValueError as exc:
+        raise HorovodUsageError(str(exc)) from None
     running = active_pool()
     if running is not None:
         raise PoolError(running.already_running())
     began = time.monotonic()
     pool = start(args.np, spark=options.spark, env=options.env, timeline=args.timeline,
-                 use_gpu=args.gpu, min_np=args.min_np, memory_per_rank=args.memory_per_rank)
+                 use_gpu=args.gpu, min_np=args.min_np, memory_per_rank=args.memory_per_rank,
+                 data=datasets)
     print(f"ddl_magic: pool of {pool.np} ranks started in {time.monotonic() - began:.1f} s "
           f"({pool.where}); %%horovod cells now run on them, and what a cell assigns "
           "stays for the next. %horovod stop ends them")
@@ -213,6 +277,10 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
             f"-np {args.np}, but a pool of {pool.np} ranks is running: drop -np to run the cell "
             f"on the pool (or write -np {pool.np}); for {args.np} ranks, %horovod stop the pool "
             f"first (its state is lost), then %horovod start -np {args.np}, or run one-shot cells")
+    if args.data:
+        raise HorovodUsageError(
+            "--data is not per cell in a pool: %horovod data NAME=VALUE gives the ranks their "
+            "shares once, and they keep them across cells until replaced")
     for option, given in (("--spark", args.spark), ("--local", args.local), ("--env", args.env),
                           ("--gpu", args.gpu), ("--timeline", args.timeline is not None),
                           ("--mlflow", args.mlflow is not None),

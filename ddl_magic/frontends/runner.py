@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .data_options import datasets_among, shares_for_run
 from .options import make_display, make_launcher
 from ..driver.capture import capture_function
 from ..driver.job import Job, JobOptions
@@ -74,11 +75,20 @@ class HorovodRunner:
         self.last_run: RunResult | None = None
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
-        """Run `main(**kwargs)` on every rank and return rank 0's return value."""
+        """Run `main(**kwargs)` on every rank and return rank 0's return value.
+
+        A keyword whose value is a Spark or pandas DataFrame, or `ddl_magic.data.Data(...)`
+        (a path, or chosen columns), reaches `main` on each rank as that rank's share of it,
+        a `ddl_magic.data.Share`: `run(main, train=df)`, then in `main`,
+        `for batch in train.loader(batch_size=256): ...`.
+        """
         if not callable(main):
             raise TypeError(f"HorovodRunner.run needs a function, got {type(main).__name__}")
-        payload = capture_function(main, kwargs)
-        launcher = make_launcher(spark=self.num_processor > 0)
-        job = Job(payload, abs(self.num_processor), launcher, self._options)
-        self.last_run = job.run()
+        on_spark = self.num_processor > 0
+        with shares_for_run(datasets_among(kwargs), abs(self.num_processor), on_spark,
+                            quiet=self._options.hide_output) as data:
+            payload = capture_function(main, {**kwargs, **data.shares})
+            launcher = make_launcher(spark=on_spark, data=data)
+            job = Job(payload, abs(self.num_processor), launcher, self._options)
+            self.last_run = job.run()
         return self.last_run.result

@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from .data_options import datasets_among, shares_for_run
 from .options import make_display, make_launcher
 from ..driver.capture import capture_function
 from ..driver.job import Job, JobOptions
@@ -65,21 +66,25 @@ class TorchDistributor:
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run `train_object(*args, **kwargs)` (or the script `train_object` with `args`) on
         every rank; return rank 0's return value (None for a script)."""
-        if isinstance(train_object, (str, os.PathLike)):
-            task = self._script_task(os.fspath(train_object), args, kwargs)
-            title = os.path.basename(task.path)
-        elif callable(train_object):
-            task = capture_function(train_object, kwargs, args)
-            title = getattr(train_object, "__name__", "train")
-        else:
+        if not isinstance(train_object, (str, os.PathLike)) and not callable(train_object):
             raise TypeError("TorchDistributor.run needs a function or the path of a Python "
                             f"script, got {type(train_object).__name__}")
-        options = JobOptions(display=make_display, use_gpu=self.use_gpu,
-                             max_restarts=self.max_restarts, title=(
-            f"TorchDistributor(num_processes={self.num_processes}, "
-            f"local_mode={self.local_mode}): {title}"))
-        launcher = make_launcher(spark=not self.local_mode)
-        self.last_run = Job(task, self.num_processes, launcher, options).run()
+        with shares_for_run(datasets_among(kwargs), self.num_processes,
+                            not self.local_mode) as data:
+            if isinstance(train_object, (str, os.PathLike)):
+                task = self._script_task(os.fspath(train_object), args,
+                                         {k: v for k, v in kwargs.items() if k not in data.shares})
+                task.shares.update(data.shares)  # ddl_magic.data.share(name) in the script
+                title = os.path.basename(task.path)
+            else:
+                task = capture_function(train_object, {**kwargs, **data.shares}, args)
+                title = getattr(train_object, "__name__", "train")
+            options = JobOptions(display=make_display, use_gpu=self.use_gpu,
+                                 max_restarts=self.max_restarts, title=(
+                f"TorchDistributor(num_processes={self.num_processes}, "
+                f"local_mode={self.local_mode}): {title}"))
+            launcher = make_launcher(spark=not self.local_mode, data=data)
+            self.last_run = Job(task, self.num_processes, launcher, options).run()
         return self.last_run.result
 
     def _script_task(self, path: str, args: tuple, kwargs: dict) -> ScriptTask:

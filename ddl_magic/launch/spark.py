@@ -87,11 +87,12 @@ class SparkLauncher:
     caps_memory = False  # a rank has its executor's memory (spark.executor.memory)
 
     def __init__(self, spark=None, data=None):
-        """`data`: a DataFrame the ranks train on. The stage then runs over it, repartitioned
-        into one partition per rank, and each rank reads its partition with `read_shard`."""
+        """`data`: the `ShareStage` of a run given Spark DataFrames (`spark_shares.py`). The
+        barrier stage then runs over it, one partition per rank, and each task writes its
+        rank's shares beside it."""
         self._data = data
         if spark is None:
-            spark = data.sparkSession if data is not None else _active_session()
+            spark = data.frame.sparkSession if data is not None else _active_session()
         self._spark = spark
         self._jobs = _ConnectJobs(self._spark) if _is_connect(self._spark) else _ClassicJobs(
             self._spark)
@@ -137,10 +138,11 @@ class SparkLauncher:
         """An elastic run keeps its `np` slots (a replacement takes a lost rank's), and its
         ranks read their own data: a DataFrame is split once, for the ranks it starts with."""
         if self._data is not None:
-            raise ValueError("an elastic run cannot train on a DataFrame's partitions: they are "
-                             "handed out once, and a lost rank's would be lost with it. Read "
-                             "the data in the ranks (e.g. from a table or files, sharded by "
-                             "hvd.elastic.ElasticSampler), or drop min_np and max_np")
+            raise ValueError("an elastic run on Spark cannot be given a Spark DataFrame: its "
+                             "shares are written once, by the tasks the run starts with, and a "
+                             "lost rank's would be lost with it. Write the DataFrame to Parquet "
+                             "and give the path (a replacement then reads the lost rank's rows "
+                             "again from the files), or drop min_np and max_np")
         if max_np > np:
             raise ValueError(f"max_np={max_np} is above np={np}: an elastic run on Spark "
                              f"replaces lost ranks and keeps at most its {np} ranks. Use "
@@ -163,7 +165,7 @@ class SparkLauncher:
         self._stopping.clear()
         task = functools.partial(_by_value(run_rank_task), control_address, secret,
                                  OUTPUT_TAIL_LINES, report_interval_s(peer_timeout_s()),
-                                 self._data is not None)
+                                 self._data.plan if self._data is not None else None)
         if not elastic:
             self._submit(self._job_tag, f"ddl_magic: {np} ranks",
                          self._jobs.barrier_stage(np, task, self._data), events, slot=None)
@@ -275,9 +277,9 @@ class _RankJob:
 
 
 def _dataframe_stage(spark, np: int, task, data) -> Callable[[], list[dict]]:
-    """The barrier stage in the DataFrame API: over `data` split into `np` partitions (round
-    robin: sizes differ by one row at most), or over `np` empty ones."""
-    partitions = spark.range(0, np, 1, np) if data is None else data.repartition(np)
+    """The barrier stage in the DataFrame API: over the run's `ShareStage` (its datasets
+    keyed into `np` partitions), or over `np` empty partitions."""
+    partitions = spark.range(0, np, 1, np) if data is None else data.frame
     stage = partitions.mapInArrow(functools.partial(task, True), TASK_RESULT_SCHEMA,
                                   barrier=True)
     return lambda: [row.asDict() for row in stage.collect()]

@@ -14,7 +14,7 @@ from ..wire.channel import CONNECT_TIMEOUT_S, Channel
 from ..wire.messages import TaskAlive, TaskExited, TaskOutput, TaskStarted
 
 
-def run_rank_task(control_address, secret, tail_lines, report_interval, hand_over_rows,
+def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
                    as_arrow, batches, slot=None):
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end;
     or, with `slot`, the one task of an elastic run's rank job: run the rank in that slot.
@@ -25,8 +25,8 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, hand_ove
     what state the kernel says the process is in (`wire/liveness.py`), from a thread that the
     rank's own Python cannot starve.
 
-    With `hand_over_rows`, the partition's rows are the rank's share of the data it trains
-    on (`ddl_magic.rank.shards`). Tells the driver how the rank's process ended (returncode None:
+    With `shares` (the plan of a run given Spark DataFrames, `launch/spark_shares.py`), the
+    partition's rows are the rank's shares of them (`ddl_magic.rank.task_shares`). Tells the driver how the rank's process ended (returncode None:
     it could not start, and the output says why), and returns that as one row of
     `launch/spark.py`'s `TASK_RESULT_SCHEMA`: an Arrow batch of one row (`as_arrow`, in a DataFrame stage) or a
     dict (in an RDD stage). Never raises for a failed rank.
@@ -134,18 +134,23 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, hand_ove
             f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
             "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
     else:
-        if hand_over_rows:  # written while the rank starts; it waits for the word on a pipe
-            from ddl_magic.rank import shards
+        if shares:  # written while the rank starts; it waits for the word on a pipe
+            from ddl_magic.rank.task_shares import TaskShares
 
-            shard = shards.new_shard_path()
+            written = TaskShares(shares, rank)
             ready_read, ready_write = os.pipe()
+            unsaid = [ready_write]  # `write` closes it when it has said its word
+
+            def write_shares():
+                written.write(batches, unsaid.pop())
+
             try:
                 returncode, output = run_rank(
-                    {shards.SHARD_VARIABLE: shard, shards.READY_FD_VARIABLE: str(ready_read)},
-                    (ready_read,), lambda: shards.write_shard(batches, shard, ready_write))
+                    written.environment(ready_read), (ready_read, *written.fds), write_shares)
             finally:
-                os.close(ready_write)
-                shards.remove_shard(shard)
+                for fd in unsaid:  # the rank could not start: nobody waits for the word
+                    os.close(fd)
+                written.close()
         else:
             returncode, output = run_rank()
     reported = False

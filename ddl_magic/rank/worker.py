@@ -35,6 +35,7 @@ import traceback
 
 import cloudpickle
 
+from ..data.sources import SLOT_VARIABLE
 from ..runtime import context
 from ..runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, HorovodInternalError
 from ..runtime.timeline import recorder
@@ -100,6 +101,7 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     torch_master = (advertised_ip, store_port.getsockname()[1]) if store_port else None
     channel.send(Register(rank, _host_name(rank), listener.getsockname(), os.getpid(),
                           torch_master))
+    os.environ[SLOT_VARIABLE] = str(rank)  # whose share of the run's data this process reads
     match channel.recv():
         case Start(peers, task_bytes, settings, torch_master, world_rank, generation):
             peers = [Peer(*p) for p in peers]

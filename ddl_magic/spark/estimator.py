@@ -12,12 +12,13 @@
     model = Pipeline(stages=[assembler, estimator]).fit(train_df)    # a PipelineModel
     model.transform(test_df).select("label", "prediction").show()
 
-How the rows reach the ranks: `fit` runs the ranks as one barrier stage over the DataFrame
-itself, repartitioned round robin into `num_proc` partitions. Each task writes its partition
-to its executor's local disk as Arrow and starts its rank on it (`ddl_magic.rank.shards`), so no
-row passes through the driver, and nothing is written to shared storage, converted to
-Parquet or read back through Petastorm. The ranks train as `estimator_training` describes
-and rank 0's weights come back to the driver; the fitted `TorchModel` scores DataFrames with
+How the rows reach the ranks: the same way as any run's data (`ddl_magic.data`): `fit` runs
+the ranks as one barrier stage over the DataFrame itself, split into `num_proc` shares, and
+each task writes its rank's share to its executor's local disk as Arrow while the rank
+starts (`launch/spark_shares.py`), so no row passes through the driver, and nothing is
+written to shared storage, converted to Parquet or read back through Petastorm. The ranks
+stream their shares batch by batch as `estimator_training` describes and rank 0's weights
+come back to the driver; the fitted `TorchModel` scores DataFrames with
 `predict_batches`, loading the model once per task.
 
 Mistakes are found before any rank starts, by one Spark aggregation over the columns: a
@@ -48,6 +49,7 @@ from ..frontends.options import make_display
 from .persistence import (ESTIMATOR_OBJECTS_FILE, MODEL_FILE, PICKLED_PARAMS, FolderReader,
                           FolderWriter, unpickle)
 from .estimator_training import CHECKPOINT_LAST, TrainingPlan, train_on_shard
+from ..data.sources import Data
 from ..driver.tracking import log_fitted_model
 
 __all__ = ["TorchEstimator", "TorchModel"]
@@ -161,17 +163,22 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
     def _fit(self, dataset) -> TorchModel:
         from ..driver.job import Job, JobOptions
         from ..launch.spark import SparkLauncher
+        from ..launch.spark_shares import spark_shares
         from ..wire.tasks import FunctionTask
 
         num_proc = self._num_proc()
-        plan, columns = self._plan(dataset)
-        launcher = SparkLauncher(data=dataset.select(*columns))
+        plan, frames, rows = self._plan(dataset)
+        stage, shares, lines = spark_shares(frames, num_proc, checked_rows=rows)
+        if plan.verbose:
+            print("\n".join(f"ddl_magic: {line}" for line in lines.values()), flush=True)
+        launcher = SparkLauncher(data=stage)
         title = (f"TorchEstimator(num_proc={num_proc}, epochs={plan.epochs}): "
                  f"{type(plan.model).__name__}")
         options = JobOptions(display=make_display, use_gpu=plan.use_gpu, timeline_path=self._optional(self.timeline),
                              title=title, mlflow=self._optional(self.mlflow))
-        self.last_run = Job(FunctionTask(train_on_shard, {"plan": plan}), num_proc, launcher,
-                            options).run()
+        task = FunctionTask(train_on_shard, {"plan": plan, "data": shares["data"],
+                                             "validation": shares.get("validation")})
+        self.last_run = Job(task, num_proc, launcher, options).run()
         trained = self._fresh_model()
         trained.load_state_dict(self.last_run.result["state"])
         log_fitted_model(self.last_run, _tracked_params(plan), self.last_run.result["history"],
@@ -202,9 +209,10 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
 
     # ---- checks and the plan the ranks follow -------------------------------------------------
 
-    def _plan(self, dataset) -> tuple[TrainingPlan, list]:
-        """The ranks' plan and the columns they read, or a ValueError/TypeError that says
-        what to change, before any rank starts."""
+    def _plan(self, dataset) -> tuple[TrainingPlan, dict, dict]:
+        """The ranks' plan, the datasets they read ("data", and "validation" where a column
+        marks it) with their rows, or a ValueError/TypeError that says what to change, before
+        any rank starts."""
         import torch
 
         model = self._optional(self.model)
@@ -227,13 +235,17 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
         if classification and (len(label_cols) != 1 or kinds[label_cols[0]] != "number"):
             raise ValueError(f"{type(loss).__name__} takes one label column of class indices; "
                              f"label_cols is {label_cols}")
-        widths, label_range = _scan_columns(dataset, kinds, label_cols)
+        widths, label_range, rows = _scan_columns(dataset, kinds, label_cols, validation_col)
         features_in = sum(widths[name] for name in feature_cols)
         if classification:
             self._check_classes(model, features_in, label_cols[0], label_range)
-        columns = [_as_arrays(dataset, name, kind) for name, kind in kinds.items()]
-        if validation_col is not None:
-            columns.append(dataset[validation_col])
+        columns = list(kinds)
+        if validation_col is None:
+            frames = {"data": Data(dataset.select(*columns))}
+        else:
+            marked = dataset[validation_col]
+            frames = {"data": Data(dataset.where(~marked).select(*columns)),
+                      "validation": Data(dataset.where(marked).select(*columns))}
         run_id = self._optional(self.run_id)
         checkpoint_dir = os.path.join(self.getOrDefault(self.checkpoint_dir),
                                       run_id or uuid.uuid4().hex[:12])
@@ -246,7 +258,7 @@ class TorchEstimator(Estimator, _TorchParams, MLWritable, MLReadable):
             callbacks=list(self.getOrDefault(self.callbacks)), checkpoint_dir=checkpoint_dir,
             resume=_last_checkpoint(checkpoint_dir) if run_id else None,
             use_gpu=self.getOrDefault(self.use_gpu), verbose=self.getOrDefault(self.verbose))
-        return plan, columns
+        return plan, frames, rows
 
     def _optional(self, param: Param):
         """The parameter's value, or None where neither set nor defaulted."""
@@ -445,12 +457,15 @@ def _as_arrays(dataset, name: str, kind: str):
     return vector_to_array(dataset[name], "float32").alias(name)
 
 
-def _scan_columns(dataset, kinds, label_cols):
-    """One aggregation over the data: nulls, array widths, the label range. Returns
-    ({column: width}, (lowest label, highest label, whether all are whole numbers))."""
+def _scan_columns(dataset, kinds, label_cols, validation_col=None):
+    """One aggregation over the data: rows, nulls, array widths, the label range. Returns
+    ({column: width}, (lowest label, highest label, whether all are whole numbers),
+    {dataset: rows}: "data", and "validation" where `validation_col` marks rows)."""
     from pyspark.sql import functions
 
-    checks = []
+    checks = [functions.count(functions.lit(1)).alias("rows")]
+    if validation_col is not None:
+        checks.append(functions.sum(dataset[validation_col].cast("long")).alias("held_out"))
     for name, kind in kinds.items():
         column = _as_arrays(dataset, name, kind)
         checks.append(functions.sum(column.isNull().cast("long")).alias(f"nulls:{name}"))
@@ -479,7 +494,11 @@ def _scan_columns(dataset, kinds, label_cols):
         widths[name] = low or 0
     label_range = (float(found.get("low") or 0), float(found.get("high") or 0),
                    not found.get("fractions"))
-    return widths, label_range
+    held_out = int(found.get("held_out") or 0)
+    rows = {"data": int(found["rows"]) - held_out}
+    if validation_col is not None:
+        rows["validation"] = held_out
+    return widths, label_range, rows
 
 
 def _last_checkpoint(directory: str) -> dict | None:

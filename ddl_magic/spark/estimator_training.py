@@ -1,13 +1,15 @@
 """What every rank of `TorchEstimator.fit` runs: train on its share of the DataFrame.
 
-Each rank reads its shard (`ddl_magic.rank.shards`), turns the feature and label columns into
-tensors once, and trains with the Horovod-style API: `DistributedOptimizer` averages the
-gradients on the ring, rank 0's weights and optimizer state are broadcast first. Shards may
-differ in size, so the ranks agree on the smallest number of full batches before the first
-epoch and every rank takes exactly that many steps (no rank waits in an allreduce the others
-never reach). Each epoch every rank shuffles its own rows anew; a row is seen at most once
-per epoch. Metrics are sums over every rank's rows, so they do not depend on how the rows
-were split. Rank 0 writes the checkpoints and returns the trained weights and the history.
+Each rank reads its share (`ddl_magic.data`: written by its Spark task beside it) through a
+loader, batch by batch, and trains with the Horovod-style API: `DistributedOptimizer`
+averages the gradients on the ring, rank 0's weights and optimizer state are broadcast
+first. Shares may differ in size: the loader's ranks agree on the smallest number of full
+batches before the first epoch, and every rank takes exactly that many steps (no rank waits
+in an allreduce the others never reach). Each epoch every rank reads its rows in a new
+order; a row is seen at most once per epoch. A share is never turned into tensors whole:
+memory per rank is a batch and the loader's shuffle window, whatever the share's size.
+Metrics are sums over every rank's rows, so they do not depend on how the rows were split.
+Rank 0 writes the checkpoints and returns the trained weights and the history.
 """
 
 from __future__ import annotations
@@ -47,19 +49,22 @@ class TrainingPlan:
     verbose: int = 1  # 1: rank 0 prints a line per epoch
 
 
-def train_on_shard(plan: TrainingPlan) -> dict | None:
-    """Train `plan.model` on this rank's shard; rank 0 returns {"state", "history"}."""
+def train_on_shard(plan: TrainingPlan, data, validation=None) -> dict | None:
+    """Train `plan.model` on this rank's share of `data` (a `ddl_magic.data.Share`), holding
+    out `validation` (a share of the rows `validation_col` marks) or `validation_fraction`
+    of the share's rows; rank 0 returns {"state", "history"}."""
     import torch
 
     import ddl_magic.torch as hvd
-    from ddl_magic.rank.shards import read_shard
 
     hvd.init()
     torch.manual_seed(plan.seed)
     device = torch.device(f"cuda:{hvd.local_rank()}") if plan.use_gpu else torch.device("cpu")
-    features, labels, is_validation = _tensors(read_shard(), plan)
-    training_rows = np.flatnonzero(~is_validation)
-    validation_rows = np.flatnonzero(is_validation)
+    if validation is None and plan.validation_fraction:
+        data, validation = data.split(plan.validation_fraction, seed=VALIDATION_SEED)
+    columns = list(dict.fromkeys([*plan.feature_cols, *plan.label_cols]))
+    loader = data.loader(batch_size=plan.batch_size, columns=columns, shuffle=plan.shuffle,
+                         seed=plan.seed)
 
     model = plan.model.to(device)
     optimizer = plan.make_optimizer(model.parameters())
@@ -72,21 +77,17 @@ def train_on_shard(plan: TrainingPlan) -> dict | None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
-    steps = int(hvd.allreduce(torch.tensor(len(training_rows) // plan.batch_size),
-                              op=hvd.Min, name="estimator.steps_per_epoch"))
+    steps = len(loader)  # agreed by every rank
     if hvd.rank() == 0 and plan.verbose:
         print(f"{hvd.size()} ranks, {steps} steps of {plan.batch_size} rows per rank per epoch",
               flush=True)
     best = min((row.get("val_loss", row["loss"]) for row in history), default=float("inf"))
     for epoch in range(start_epoch, plan.epochs):
-        order = training_rows
-        if plan.shuffle:
-            order = np.random.default_rng((plan.seed, epoch, hvd.rank())).permutation(order)
+        loader.set_epoch(epoch)
         model.train()
         totals = _Totals(plan.metrics)
-        for step in range(steps):
-            rows = order[step * plan.batch_size:(step + 1) * plan.batch_size]
-            x, y = features[rows].to(device), labels[rows].to(device)
+        for batch in loader:
+            x, y = _features_and_labels(batch, plan, device)
             optimizer.zero_grad()
             outputs = model(x)
             loss = plan.loss(outputs, y)
@@ -94,8 +95,8 @@ def train_on_shard(plan: TrainingPlan) -> dict | None:
             optimizer.step()
             totals.add(loss, outputs.detach(), y)
         row = {"epoch": epoch, **totals.reduced(hvd, "train")}
-        if plan.validation_fraction or plan.validation_col:
-            row.update(_validate(model, features, labels, validation_rows, plan, device, hvd))
+        if validation is not None:
+            row.update(_validate(model, validation, columns, plan, device, hvd))
         history.append(row)
         if hvd.rank() == 0:
             if plan.verbose:
@@ -109,6 +110,22 @@ def train_on_shard(plan: TrainingPlan) -> dict | None:
         return None
     return {"state": {name: value.cpu() for name, value in model.state_dict().items()},
             "history": history}
+
+
+def _features_and_labels(batch, plan: TrainingPlan, device):
+    """(features float32 [n, d], labels: class indices int64 [n], or float32 targets [n, k])."""
+    import torch
+
+    def matrix(names):
+        return torch.cat([batch[name].reshape(len(batch[name]), -1).float() for name in names],
+                         dim=1)
+
+    features = matrix(plan.feature_cols)
+    if plan.classification:
+        labels = batch[plan.label_cols[0]].reshape(-1).long()
+    else:
+        labels = matrix(plan.label_cols)
+    return features.to(device), labels.to(device)
 
 
 class _Totals:
@@ -140,15 +157,17 @@ class _Totals:
         return {f"{label}{name}": float(value / rows) for name, value in zip(names, total)}
 
 
-def _validate(model, features, labels, rows, plan, device, hvd) -> dict[str, float]:
+def _validate(model, validation, columns, plan, device, hvd) -> dict[str, float]:
+    """Every row of this rank's validation share, whatever the others hold (no collective
+    per batch: only the totals are reduced)."""
     import torch
 
     model.eval()
     totals = _Totals(plan.metrics)
     with torch.no_grad():
-        for start in range(0, len(rows), plan.batch_size):
-            batch = rows[start:start + plan.batch_size]
-            x, y = features[batch].to(device), labels[batch].to(device)
+        for batch in validation.loader(batch_size=plan.batch_size, columns=columns,
+                                       shuffle=False, drop_last=False, equal_steps=False):
+            x, y = _features_and_labels(batch, plan, device)
             outputs = model(x)
             totals.add(plan.loss(outputs, y), outputs, y)
     return totals.reduced(hvd, "val")
@@ -172,39 +191,3 @@ def _save_checkpoints(plan, model, optimizer, epoch, history, is_best) -> None:
         path = os.path.join(plan.checkpoint_dir, name)
         torch.save(checkpoint, path + ".partial")
         os.replace(path + ".partial", path)  # a reader never sees half a checkpoint
-
-
-def _tensors(table, plan: TrainingPlan):
-    """(features float32 [n, d], labels, validation mask) from the shard's Arrow columns."""
-    import torch
-
-    if table.num_rows == 0:
-        return torch.zeros(0, 0), torch.zeros(0), np.zeros(0, dtype=bool)
-    features = np.concatenate([column_matrix(table.column(name)) for name in plan.feature_cols],
-                              axis=1)
-    labels = np.concatenate([column_matrix(table.column(name)) for name in plan.label_cols],
-                            axis=1)
-    if plan.classification:
-        labels = torch.from_numpy(labels[:, 0].astype(np.int64))
-    else:
-        labels = torch.from_numpy(labels)
-    if plan.validation_col is not None:
-        is_validation = np.asarray(table.column(plan.validation_col).to_numpy(
-            zero_copy_only=False), dtype=bool)
-    else:
-        is_validation = np.zeros(table.num_rows, dtype=bool)
-        count = int(round(plan.validation_fraction * table.num_rows))
-        chosen = np.random.default_rng(VALIDATION_SEED).permutation(table.num_rows)[:count]
-        is_validation[chosen] = True
-    return torch.from_numpy(features), labels, is_validation
-
-
-def column_matrix(column) -> np.ndarray:
-    """An Arrow column as a float32 matrix: one column for a number, `width` for an array."""
-    import pyarrow
-
-    column = column.combine_chunks() if isinstance(column, pyarrow.ChunkedArray) else column
-    if pyarrow.types.is_list(column.type) or pyarrow.types.is_large_list(column.type):
-        values = column.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-        return values.reshape(len(column), -1)  # the driver checked every row's length
-    return column.to_numpy(zero_copy_only=False).astype(np.float32, copy=False)[:, None]

@@ -69,6 +69,7 @@ class ScriptTask:
 
     path: str
     args: list[str]
+    shares: dict[str, Any] = field(default_factory=dict)  # its datasets: ddl_magic.data.share(name)
 
     def run(self) -> None:
         sys.argv = [self.path, *self.args]
@@ -87,6 +88,7 @@ class ModuleTask:
 
     module: str
     args: list[str]
+    shares: dict[str, Any] = field(default_factory=dict)  # its datasets: ddl_magic.data.share(name)
 
     def run(self) -> None:
         sys.argv = [self.module, *self.args]  # runpy replaces argv[0] with the module's file
@@ -103,6 +105,7 @@ class CodeTask:
     code: str
     args: list[str]
     filename: str = "<string>"
+    shares: dict[str, Any] = field(default_factory=dict)  # its datasets: ddl_magic.data.share(name)
 
     def run(self) -> None:
         sys.argv = ["-c", *self.args]

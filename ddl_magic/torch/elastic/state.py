@@ -156,11 +156,13 @@ class ObjectState(State):
 
 class TorchState(ObjectState):
     """A PyTorch training's state: a model, an optimizer, an `ElasticSampler` (as
-    `sampler=`, or any keyword whose value is one), and plain values.
+    `sampler=`, or any keyword whose value is one), anything with `state_dict` and
+    `load_state_dict` (a `ddl_magic.data` loader: its position), and plain values.
 
     Each keyword whose value is a `torch.nn.Module`, a `torch.optim.Optimizer` or an
-    `ElasticSampler` is committed by a handler that copies its tensors; the others are
-    plain values, as in `ObjectState`. Assigning a new model or optimizer to the attribute
+    `ElasticSampler` is committed by a handler that copies its tensors, one with
+    `state_dict`/`load_state_dict` by its state dict; the others are plain values, as in
+    `ObjectState`. Assigning a new model or optimizer to the attribute
     (`state.model = other`) commits it.
 
     >>> state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
@@ -322,6 +324,22 @@ class _SamplerHandler(_Handler):
                                                     name="elastic.sampler"))
 
 
+class _StatefulHandler(_Handler):
+    """Anything else with torch's `Stateful` protocol (`state_dict`, `load_state_dict`), a
+    data loader's position say (`ddl_magic.data`): its `state_dict()` is committed, and
+    synced from rank 0 (a loader's position is the same on every rank)."""
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict(),
+                                                    name="elastic.stateful"))
+
+
 _HANDLERS: list[tuple[type, type[_Handler]]] = [
     (torch.nn.Module, _ModelHandler),
     (torch.optim.Optimizer, _OptimizerHandler),
@@ -333,4 +351,6 @@ def _handler_for(value: Any) -> _Handler | None:
     for kind, handler in _HANDLERS:
         if isinstance(value, kind):
             return handler(value)
+    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+        return _StatefulHandler(value)
     return None
