@@ -1,6 +1,9 @@
 """A person's view, following the README's own path: JupyterLab started with the README's
-command (from the `examples` extra, which tests/test_readme.py checks is installed), lab 01
-opened and run top to bottom, then a `%%horovod --timeline` notebook, in headless Chromium.
+command (from the `examples` extra, which tests/test_readme.py checks is installed) in a git
+clone of the labs, lab 01 opened from the URL JupyterLab printed and run top to bottom, then
+saved (the clone stays clean), then a `%%horovod --timeline` notebook, in headless Chromium.
+The README's command alone is refused as root, as the README says, and serves lab 01 as a
+user (where this machine's interpreter can run as one).
 
 The test drives Chromium through the Chrome DevTools Protocol (a websocket,
 `websocket-client`): "Run All Cells" as the Run menu does it, then checks the page's DOM: lab
@@ -23,10 +26,13 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -164,8 +170,11 @@ class DevToolsPage:
         """A PNG of the page, or of the element `element` evaluates to (scrolled into view)."""
         params: dict = {"format": "png"}
         if element is not None:
-            box = self.evaluate(f"""(() => {{ const e = {element};
+            # Scrolled into view, then measured after two frames: JupyterLab draws a cell that
+            # comes into view on the next frame, and an element shot before that is blank.
+            box = self.evaluate(f"""(async () => {{ const e = {element};
                 e.scrollIntoView({{block: 'start'}});
+                for (let i = 0; i < 2; i++) await new Promise(r => requestAnimationFrame(r));
                 const r = e.getBoundingClientRect();
                 return {{x: r.x, y: r.y, width: r.width, height: r.height}}; }})()""")
             params.update(clip={**box, "scale": 1}, captureBeyondViewport=True)
@@ -176,17 +185,33 @@ class DevToolsPage:
         self._socket.close()
 
 
+def readme_jupyterlab_command() -> list[str]:
+    """The README's command that starts JupyterLab, with this environment's `jupyter`."""
+    return in_this_environment(steps(one_block("notebook").splitlines()[1])[0])
+
+
+def clone_of_the_labs(folder: Path) -> Path:
+    """A git repository holding what the README's command serves (the labs, the JupyterLab
+    config, .gitignore), committed: `git status` there says whether running a lab dirtied it."""
+    shutil.copytree(ROOT / "example_notebooks", folder / "example_notebooks")
+    for name in (".gitignore", "jupyter_lab_config.py"):
+        shutil.copy(ROOT / name, folder / name)
+    for command in (["init", "-q"], ["add", "-A"],
+                    ["-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-qm", "labs"]):
+        subprocess.run(["git", *command], cwd=folder, check=True, capture_output=True, timeout=30)
+    return folder
+
+
 @pytest.fixture()
 def jupyterlab(tmp_path):
     """JupyterLab started as the README says (its command, this environment's `jupyter`), on
-    127.0.0.1 with a token, in a folder holding a copy of `example_notebooks/` (so running the
-    labs saves nothing into the repository); yields its base URL, token and the folder it
-    serves."""
+    127.0.0.1 with a token, in a git clone of the labs (`clone_of_the_labs`, so running them
+    saves nothing into this repository); yields its base URL, token, the folder it serves and
+    the URL it printed."""
     require_or_skip(_importable("jupyterlab") and _importable("websocket"),
                     "JupyterLab or websocket-client is missing: pip install -e '.[test]' installs them")
-    readme_start = in_this_environment(steps(one_block("notebook").splitlines()[1])[0])
-    folder, config = tmp_path / "clone", tmp_path / "jupyter-config"
-    shutil.copytree(ROOT / "example_notebooks", folder / "example_notebooks")
+    readme_start = readme_jupyterlab_command()
+    folder, config = clone_of_the_labs(tmp_path / "clone"), tmp_path / "jupyter-config"
     # No "get Jupyter news?" toast over the screenshots.
     (config / "labconfig").mkdir(parents=True)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
@@ -210,8 +235,10 @@ def jupyterlab(tmp_path):
         wait_until(lambda: server.poll() is not None or _answers(f"{base}/api/status?token={token}"),
                    timeout=30, what=f"JupyterLab to answer (log: {log.name})")
         assert server.poll() is None, (tmp_path / "jupyterlab.log").read_text()
-        # `jupyter lab FILE` serves the file's folder and opens the file.
-        yield base, token, folder / Path(readme_start[2]).parent
+        printed = wait_until(lambda: re.search(rf"{re.escape(base)}/\S+", (tmp_path / "jupyterlab.log").read_text()),
+                             timeout=10, what="JupyterLab to print its URL").group(0)
+        # (a token given on the command line is printed as "...")
+        yield base, token, folder, printed.replace("?token=...", f"?token={token}")
     finally:
         server.terminate()
         try:
@@ -263,6 +290,69 @@ def browser(tmp_path):
         log.close()
 
 
+NOBODY = 65534
+
+
+@pytest.mark.timeout(120)
+def test_the_readmes_jupyterlab_command_as_root_and_as_a_user(tmp_path):
+    """As root, the README's command alone is refused, as the README says (the lab 01 test
+    adds --allow-root, as the README says to); as a user, it serves the clone and the URL it
+    prints is lab 01's."""
+    require_or_skip(_importable("jupyterlab"), "JupyterLab is missing: pip install -e '.[test]' installs it")
+    command = readme_jupyterlab_command()
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        refused = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")})
+        assert refused.returncode != 0 and "--allow-root" in refused.stderr, refused.stderr[-2000:]
+        assert "--allow-root" in one_block_context("notebook")
+        as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        # (setpriv's own exec may still pass where the user's next one is refused: try both)
+        execs_again = "import os, sys; os.execv(sys.executable, [sys.executable, '-c', ''])"
+        if subprocess.run([*as_user, sys.executable, "-c", execs_again], capture_output=True, timeout=30).returncode:
+            pytest.skip(f"refused as root, as the README says; {sys.executable} cannot run as a user "
+                        "here (its interpreter is private to root), so the user's half is not tried")
+    # A folder the user owns (pytest's are private to root), removed at the end.
+    home = Path(tempfile.mkdtemp(prefix="ddl-magic-lab-user-"))
+    try:
+        folder = clone_of_the_labs(home / "clone")
+        if as_user:
+            subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(home)], check=True, timeout=30)
+            home.chmod(0o755)
+        port, token = free_port(), secrets.token_hex(16)
+        log = home / "jupyterlab.log"
+        with open(log, "w") as written:
+            server = subprocess.Popen(
+                [*as_user, *command, "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+                 "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}"],
+                cwd=folder, stdout=written, stderr=subprocess.STDOUT,
+                env={**os.environ, "HOME": str(home), "JUPYTER_CONFIG_DIR": str(home / "config"),
+                     "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_RUNTIME_DIR": str(home / "runtime")})
+        try:
+            base = f"http://127.0.0.1:{port}"
+            printed = wait_until(lambda: server.poll() is not None or re.search(rf"{re.escape(base)}/\S+", log.read_text()),
+                                 timeout=60, what=f"JupyterLab to print its URL (log: {log})")
+            assert server.poll() is None, log.read_text()
+            assert printed.group(0).split("?")[0] == f"{base}/lab/tree/example_notebooks/01_iris_mlp.ipynb"
+            assert _answers(f"{base}/api/contents/example_notebooks/01_iris_mlp.ipynb?token={token}")
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def one_block_context(kind: str) -> str:
+    """The README's paragraph after its `kind` block: what it says about the command."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    after = readme.split(one_block(kind), 1)[1]
+    return after.split("\n\n", 2)[1]
+
+
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
@@ -277,8 +367,8 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def open_and_run_all(page: DevToolsPage, base: str, token: str, path: str, cells: int) -> None:
-    page.call("Page.navigate", url=f"{base}/lab/tree/{path}?token={token}")
+def open_and_run_all(page: DevToolsPage, url: str, path: str, cells: int) -> None:
+    page.call("Page.navigate", url=url)
     page.wait_for(NOTEBOOK_READY.replace("CELLS", str(cells)), timeout=45,
                   what=f"JupyterLab to open {path} with a connected kernel")
     # Not awaited: the command resolves when the cells are done, and they may wait for this test.
@@ -287,13 +377,14 @@ def open_and_run_all(page: DevToolsPage, base: str, token: str, path: str, cells
 
 @pytest.mark.timeout(420)
 def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(browser, jupyterlab, tmp_path):
-    base, token, served = jupyterlab
-    readme_path = steps(one_block("notebook").splitlines()[1])[0][2]
-    assert readme_path == "example_notebooks/01_iris_mlp.ipynb"
-    lab = Path(readme_path).name
+    base, token, served, printed = jupyterlab
+    # The URL JupyterLab printed opens lab 01 (as through an SSH tunnel: no browser opened it).
+    lab = "example_notebooks/01_iris_mlp.ipynb"
+    assert printed == f"{base}/lab/tree/{lab}?token={token}", printed
     cells = len(nbformat.read(served / lab, as_version=4).cells)
     started = time.monotonic()
-    open_and_run_all(browser, base, token, lab, cells)
+    open_and_run_all(browser, printed, lab, cells)
+    assert browser.evaluate("window.jupyterapp.shell.currentWidget.context.path") == lab
     browser.wait_for(ALL_CELLS_RAN, timeout=300, what="lab 01 to run to its end")
     took = time.monotonic() - started
     boxes = browser.evaluate(WARNING_BOXES)
@@ -303,28 +394,35 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
     finished = browser.evaluate("""[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
         .filter(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status'))
         .map(box => box.textContent.includes('done in'))""")
-    # the two one-shot runs, then Part 3½'s pool cells (two trainings, two evaluations)
-    assert finished == [True] * 6, finished
+    # the two one-shot runs, then Part 3½'s pool cells (the set-up, two trainings, two evaluations)
+    assert finished == [True] * 7, finished
     # A pool cell's run view: its title says so, and both ranks trained on from where they were.
     pool_view = ("[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')].filter(box => "
-                 "[...box.querySelectorAll('th')].some(th => th.textContent === 'status'))[3]")
+                 "[...box.querySelectorAll('th')].some(th => th.textContent === 'status'))[4]")
     shown = browser.evaluate(f"(() => {{ const view = {pool_view}; view.scrollIntoView(); "
                              "return view.textContent; })()")
     assert "(pool)" in shown and "150 epochs" in shown, shown
     browser.screenshot(tmp_path / "lab_01_pool_cell.png", element=pool_view)
     assert (tmp_path / "lab_01_pool_cell.png").stat().st_size > 5_000
+    # Saved, the lab is as committed: running it leaves the clone clean.
+    browser.evaluate("void window.jupyterapp.commands.execute('docmanager:save')")
+    browser.wait_for("!window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=20,
+                     what="lab 01 to be saved")
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=served, capture_output=True,
+                           text=True, timeout=30, check=True).stdout
+    assert dirty == "", f"running lab 01 changed the clone:\n{dirty}"
     print(f"lab 01 ran in JupyterLab in {took:.0f} s")
 
 
 def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyterlab, tmp_path):
-    base, token, served = jupyterlab
+    base, token, served, _ = jupyterlab
     page = browser
     notebook = nbformat.v4.new_notebook()
     stop_file = tmp_path / "lanes_seen"
     notebook.cells = [nbformat.v4.new_code_cell(source) for source in notebook_cells(stop_file)]
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, served / "run.ipynb")
-    open_and_run_all(page, base, token, "run.ipynb", len(notebook.cells))
+    open_and_run_all(page, f"{base}/lab/tree/run.ipynb?token={token}", "run.ipynb", len(notebook.cells))
 
     # While the ranks train: the run view's live lanes, a row per (rank, lane), with bars.
     live = page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
@@ -401,6 +499,10 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
             tr => [...tr.querySelectorAll('td')].map(td => td.innerText)); }})()""",
                          timeout=30, what="last_run() to show its table")
     assert [row[:2] for row in rows] == [["0", "done"], ["1", "done"]] and [row[4] for row in rows] == ["0", "0"], rows
+    # Its "rank" header starts inside the output area (a negative margin once cut it to "ank").
+    assert page.evaluate(f"""(() => {{ const table = {report};
+        return table.querySelector('th').getBoundingClientRect().left
+               >= table.closest('.jp-OutputArea-output').getBoundingClientRect().left; }})()""")
     page.screenshot(tmp_path / "last_run.png", element=f"{report}.closest('.jp-OutputArea')")
     page.screenshot(tmp_path / "page.png")
     assert page.evaluate(WARNING_BOXES) == []

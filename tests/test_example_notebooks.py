@@ -83,7 +83,8 @@ run = ddl_magic.last_run()
  "pool": [accuracy_after_30, pool_accuracy, pool_epochs, type(pooled_model).__name__],
  "pipelines": pipeline_accuracy, "epochs": len(history),
  "mlflow": [logged.info.status, len(accuracy_per_epoch), logged.data.params["ddl_magic.np"],
-            logged.data.tags.get("mlflow.parentRunId") == lab_run.info.run_id]}
+            logged.data.tags.get("mlflow.parentRunId") == lab_run.info.run_id],
+ "jvm_ended": jvm.poll() is not None}
 """)
     assert report["spark"] >= 0.9
     assert report["torch"] >= 0.9
@@ -102,6 +103,13 @@ run = ddl_magic.last_run()
     # Part 5: the fit, tracked as a child of the lab's MLflow run, read back.
     assert report["mlflow"] == ["FINISHED", 150, "2", True]
     text = printed_text(notebook)
+    # Part 3's run drew its timeline (the run view saves its summary with the cell)...
+    assert any(is_figure(output) for cell in notebook.cells if cell.source.startswith("%%horovod -np 2 --local --timeline")
+               for output in cell.outputs)
+    # ...and the lab stops what it started: Spark's JVM, and the rank factory
+    assert report["jvm_ended"]
+    released = re.search(r"the rank factory \(pid (\d+), [\d.]+ MB\) has ended", text)
+    assert released and not Path(f"/proc/{released.group(1)}").exists(), text[-500:]
     assert f"Spark MLP accuracy: {report['spark']:.3f}" in text
     assert f"torch MLP (2 ranks) accuracy: {report['torch']:.3f}" in text
     # The migration is shown step by step, and the distributed cell is numbered to match.
@@ -293,3 +301,13 @@ def test_06_a_model_too_big_for_one_rank_measures_what_the_accounting_says():
     assert report["resumed"] == report["saved"] and len(report["saved"]) == 16
     assert len(report["capped"]) == 4 and max(report["capped"]) < 300 << 20
     assert "resumed on 2 ranks with the weights saved by 4: True" in printed_text(notebook)
+
+
+def test_the_labs_are_committed_without_outputs():
+    """A lab with outputs in the repository would show a stale run, and a clone that runs
+    it would differ from the repository (jupyter_lab_config.py saves them without outputs)."""
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        notebook = nbformat.read(path, as_version=4)
+        ran = [number for number, cell in enumerate(notebook.cells) if cell.cell_type == "code"
+               and (cell.outputs or cell.execution_count is not None)]
+        assert not ran, f"{path.name}: cells {ran} hold outputs; clear them before committing"

@@ -28,3 +28,16 @@ def test_an_unknown_word_that_resembles_nothing_gets_no_guess():
     with pytest.raises(HorovodUsageError) as error:
         run_line("-np 2 --zzzzzz")
     assert "did you mean" not in str(error.value)
+
+
+def test_the_capture_line_wraps_between_names_never_inside_one():
+    from ddl_magic.driver.capture import REPORT_WIDTH, CapturedCell
+
+    names = {f"feature_matrix_{i}": "Tensor" for i in range(8)} | {"make_mlp": "function"}
+    report = CapturedCell(b"x" * 6144, names, ["model", "optimizer"]).report()
+    lines = report.splitlines()
+    assert len(lines) > 1 and all(len(line) <= REPORT_WIDTH for line in lines), report
+    assert all(line.startswith("  ") for line in lines[1:])
+    joined = " ".join(line.strip() for line in lines)
+    assert joined == ("ddl_magic: captured " + ", ".join(f"{n} ({k})" for n, k in names.items())
+                      + " · the ranks' own: model, optimizer · payload 6.0 KB")

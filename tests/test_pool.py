@@ -84,7 +84,9 @@ def test_start_shows_every_rank_and_the_ring_forms_once(pool):
 def test_state_stays_on_the_ranks_between_cells(pool):
     _cell(pool, "%%horovod --quiet\n" + HVD + "model = torch.nn.Linear(2, 1)\n"
                 "steps = 0")
-    _cell(pool, "%%horovod --quiet\nsteps += 1\nmodel.weight.data += hvd.rank()")
+    quiet = _cell(pool, "%%horovod --quiet\nsteps += 1\nmodel.weight.data += hvd.rank()\nprint('stepped')")
+    # --quiet drops the capture line, not the run: its output shows as in any cell
+    assert "[1] stepped" in quiet.stdout and "captured" not in quiet.stdout, quiet.stdout
     out = _cell(pool, "%%horovod --all-ranks --quiet\n(steps, type(model).__name__)")
     assert out.result == "[(1, 'Linear'), (1, 'Linear')]"
 
@@ -117,6 +119,8 @@ def test_pull_one_rank_every_rank_a_missing_name_and_an_unpicklable_value(pool):
     assert _cell(pool, "%horovod pull value").result == "0"
     assert _cell(pool, "%horovod pull value --rank 1").result == "10"
     assert _cell(pool, "%horovod pull value --all-ranks").result == "[0, 10]"
+    confirmed = _cell(pool, "%horovod pull value --rank 1 -o one")
+    assert confirmed.stdout.strip() == "ddl_magic: one ← rank 1's value (int, 5 B)", confirmed.stdout
     _cell(pool, "%horovod pull value --all-ranks -o values")
     assert _cell(pool, "values").result == "[0, 10]"
     missing = pool.run("%horovod pull valeu")
@@ -128,6 +132,9 @@ def test_pull_one_rank_every_rank_a_missing_name_and_an_unpicklable_value(pool):
 
 def test_status_restart_and_stop(pool):
     status = _cell(pool, "%horovod status")
+    # the rank factory stays while its children, the pool's ranks, do
+    refused = pool.run("%horovod release")
+    assert refused.error is not None and "%horovod stop first" in refused.error["evalue"], refused.error
     assert re.search(r"^0\s+\S+\s+\d+\s+idle\s+\d+ MB\s+\d+ s", status.stdout, re.M), status.stdout
     _cell(pool, "%%horovod --quiet\nkept = 1")
     restarted = _cell(pool, "%horovod restart", timeout=180)
@@ -167,6 +174,10 @@ def test_a_rank_that_raises_stops_the_others_and_the_next_cell_is_right(pool):
     assert time.monotonic() - began < 15
     assert failed.error is not None and failed.error["ename"] == "RankFailedError"
     assert "ValueError: boom" in failed.text and "rank 0" in failed.error["evalue"]
+    # the traceback names the cell by the number its prompt shows (In [N]), the next cell's N + 1
+    number = re.search(r'File "<%%horovod cell In\[(\d+)\]>", line 3', failed.text)
+    assert number, failed.text
+    assert pool.run("get_ipython().execution_count").result == str(int(number.group(1)) + 1)
     # the other rank's allreduce ended with an error naming the failing rank (in its log)
     log = pool.run("import ddl_magic\nprint(ddl_magic.last_run().log(1))").stdout
     assert "rank 0 failed" in log, log
@@ -198,16 +209,18 @@ def test_an_interrupt_reaches_every_rank_and_the_ranks_stay(pool):
             continue
         if message["msg_type"] == "error":
             error = message["content"]
+        if message["msg_type"] == "stream":
+            printed += message["content"]["text"]
         if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
             break
     assert error is not None and error["ename"] == "CellInterrupted", error
     assert time.monotonic() - interrupted_at < 5
     assert "ranks stay up" in error["evalue"]
     logs = _cell(pool, "import ddl_magic\nrun = ddl_magic.last_run()\nprint(run.log(0), run.log(1))").stdout
-    # each rank's cell ended where it was: KeyboardInterrupt in rank 0's sleep, and in rank
-    # 1's allreduce that, or the collective's own error saying why it was aborted
-    assert len(re.findall(r"^stopped: ", logs, re.M)) == 2
-    assert "KeyboardInterrupt: the cell was interrupted" in logs
+    # each rank's cell ended where it was (KeyboardInterrupt in rank 0's sleep, and in rank
+    # 1's allreduce that or the collective's CollectiveAbortedError), said once, in words
+    assert re.findall(r"^stopped: .*", logs, re.M) == ["stopped: the cell was interrupted"] * 2, logs
+    assert "CollectiveAbortedError" not in printed and "KeyboardInterrupt" not in printed, printed
     out = _cell(pool, "%%horovod --all-ranks\n(kept, " + SUM + ")")
     assert out.result == "[(1, 3.0), (1, 3.0)]"
 

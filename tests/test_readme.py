@@ -6,9 +6,9 @@ A fenced block preceded by ``<!-- readme-test: KIND -->`` is checked here:
 - ``demo``: the install-and-run-the-demo command; its install steps are checked, its last
   step runs (with this interpreter);
 - ``ci``: the install-and-test command, which must be exactly what ``.ci/run`` runs;
-- ``notebook``: installing what the labs need and starting JupyterLab on lab 01; the extra
-  it names must exist and be installed here, the notebook must exist (tests/test_browser.py
-  starts JupyterLab this way);
+- ``notebook``: installing what the labs need and starting JupyterLab on lab 01 with the
+  clone's jupyter_lab_config.py; the extra it names must exist and be installed here, the
+  notebook must exist (tests/test_browser.py starts JupyterLab this way);
 - ``cell``: a notebook cell; the cells run one after another, each as a cell of its own, in
   a real kernel.
 """
@@ -116,10 +116,19 @@ def test_the_labs_extra_is_installed_here_with_a_pandas_that_pyspark_supports():
     assert int(metadata.version("pandas").split(".")[0]) < 3  # pyspark warns at every conversion
 
 
+def jupyterlab_config() -> Path:
+    """The config file the README's JupyterLab command names (`--config=FILE`)."""
+    (start,) = steps(one_block("notebook").splitlines()[1])
+    assert start[:2] == [".venv/bin/jupyter", "lab"] and start[2].startswith("--config="), start
+    return ROOT / start[2].removeprefix("--config=")
+
+
 def test_the_notebook_command_starts_jupyterlab_on_lab_01():
-    start = steps(one_block("notebook").splitlines()[1])
-    assert len(start) == 1 and start[0][:2] == [".venv/bin/jupyter", "lab"], start
-    assert (ROOT / start[0][2]).is_file(), f"{start[0][2]} does not exist"
+    config = jupyterlab_config()
+    assert config.is_file(), f"{config} does not exist"
+    first_lab = re.search(r'^FIRST_LAB = LABS \+ "(.+)"$', config.read_text(), re.MULTILINE).group(1)
+    assert (ROOT / "example_notebooks" / first_lab).is_file()
+    assert f"/lab/tree/example_notebooks/{first_lab}?token=" in README, "the README shows the URL it prints"
     assert Path(in_this_environment([".venv/bin/jupyter-lab"])[0]).exists(), "the extra installs no JupyterLab"
 
 
@@ -133,6 +142,7 @@ def test_the_demo_command_trains_and_writes_the_timeline_files_the_readme_names(
     timeline = Path(re.search(r"^timeline: (\S+)$", finished.stdout, re.MULTILINE).group(1))
     assert timeline.is_file() and timeline.with_suffix(".arrow").is_file()
     assert f"`{timeline.name}`" in README and f"`{timeline.with_suffix('.arrow').name}`" in README
+    assert_the_readmes_timeline_line_has_the_shape_of(finished.stdout)
 
 
 def test_cell_magic_lines_open_their_cells():
@@ -215,3 +225,56 @@ def test_the_house_names_every_folder_of_the_package_and_the_layers_are_the_chec
     written = re.search(r"Layers, top down: (.*?)\.", house, re.DOTALL).group(1)
     assert re.findall(r"`(\w+)`", written) == [name for layer in layers
                                                 for name in layer.split(" | ")]
+
+
+# ---- the README says what the code prints (issue 41: drift between them) ----------------------
+
+def section(title: str) -> str:
+    """The README's text under the heading `title`, up to the next heading of any level."""
+    return re.split(r"\n#+ ", README.split(f"\n## {title}\n", 1)[1], maxsplit=1)[0]
+
+
+def written_options(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(-np|-o|--[a-z][a-z-]*)\b", text))
+
+
+def test_the_synopsis_and_the_option_table_name_every_option_of_the_magic_and_no_other():
+    from ddl_magic.frontends.magic import HorovodMagics
+
+    parsed = {flags[0] if flags[0] in ("-np", "-o") else flags[-1]
+              for action in HorovodMagics.horovod.parser._actions
+              if (flags := action.option_strings) and flags != ["-h", "--help"]}
+    magic = section("`%%horovod`")
+    synopsis = re.search(r"```\n(%%horovod .*?)\n```", magic, re.DOTALL).group(1)
+    table = "\n".join(line.split(" | ")[0] for line in magic.splitlines() if line.startswith("| `"))
+    assert written_options(synopsis) == parsed, (
+        f"the synopsis lacks {sorted(parsed - written_options(synopsis))}, "
+        f"names {sorted(written_options(synopsis) - parsed)} that %%horovod? does not")
+    assert written_options(table) == parsed, (
+        f"the option table lacks {sorted(parsed - written_options(table))}, "
+        f"names {sorted(written_options(table) - parsed)} that %%horovod? does not")
+
+
+def test_the_pool_table_names_every_option_that_starts_a_pool():
+    from ddl_magic.frontends.options import LAUNCH_OPTIONS
+
+    accepted = {option.flags[0] for option in LAUNCH_OPTIONS}  # --max-restarts is refused there
+    (row,) = [line for line in README.splitlines() if line.startswith("| `%horovod start ")]
+    written = written_options(row.split(" | ")[0])
+    assert written == accepted, f"lacks {sorted(accepted - written)}, names {sorted(written - accepted)}"
+
+
+def assert_the_readmes_timeline_line_has_the_shape_of(printed: str) -> None:
+    """The README's example `[timeline]` line and its sketch of the live table name the kinds
+    of time that a run like the demo's prints: the same words, as many shares per rank."""
+    (example,) = re.findall(r"^\[timeline\] .*$", README, re.MULTILINE)
+    numbers = r"(?:\d+(?:\.\d+)?|–)"
+    shape = re.sub(r"\d+(?:\.\d+)?", lambda _: numbers, re.escape(example))
+    last = re.findall(r"^\[timeline\] .*$", printed, re.MULTILINE)[-1]
+    assert re.fullmatch(shape, last), f"the README's line\n  {example}\nthe demo's\n  {last}"
+    words = re.search(r"% of time ([a-z/]+):", example).group(1).split("/")
+    sketch = re.search(r"^timeline so far\n(rank .*)$", README, re.MULTILINE).group(1)
+    from ddl_magic.timeline.lanes import KINDS
+    from ddl_magic.timeline.live import _KIND_WORDS
+
+    assert re.findall(r"(\w+) %", sketch) == [kind for kind in KINDS if _KIND_WORDS[kind] in words], sketch

@@ -118,7 +118,7 @@ def text_of(markup: str) -> str:
 def table_rows(markup: str) -> list[dict[str, str]]:
     rows = []
     for attributes, body in re.findall(r"<tr([^>]*)>(.*?)</tr>", markup, flags=re.DOTALL):
-        cells = [text_of(c) for c in re.findall(r"<td>(.*?)</td>", body, flags=re.DOTALL)]
+        cells = [text_of(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", body, flags=re.DOTALL)]
         if cells:  # the header row has <th> cells only
             rank, status, host, elapsed, last_line = cells
             rows.append({"rank": rank, "status": status, "host": host, "elapsed": elapsed,

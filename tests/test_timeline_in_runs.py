@@ -332,7 +332,7 @@ def test_the_run_views_lanes_grow_while_the_run_trains(tmp_path):
     assert len(redraws) >= 2
     assert all(redraw.get("style_data") or redraw.get("trace_data") for redraw in redraws)
     recorded_s = [{int(rank): float(seconds) for rank, seconds in
-                   re.findall(r"<tr><td>(\d+)</td>.*?<td>([\d.]+)</td></tr>", summary)}
+                   re.findall(r"<tr><td[^>]*>(\d+)</td>.*?<td[^>]*>([\d.]+)</td></tr>", summary)}
                   for summary in summaries]
     assert sorted(recorded_s[-1]) == [0, 1]  # a row per rank
     rank = next(iter(recorded_s[0]))

@@ -167,6 +167,16 @@ def test_tensors_given_only_as_a_count_are_no_names(tmp_path: Path) -> None:
     assert summarize(trace).loc[0, "top_tensors"] == "fc1.weight 0.005 ms"
 
 
+def test_a_fused_buckets_name_is_said_in_words(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.json", {0: [
+        ("broadcast", "b", 0.0, 5.0, {"bytes": 64, "tensor": "allreduce.fc1.bias+5"}),
+        ("broadcast", "c", 5.0, 4.0, {"bytes": 64, "tensor": "allreduce.fc2.bias+1"}),
+    ]})
+    assert summarize(load_trace(path)).loc[0, "top_tensors"] == (
+        "allreduce.fc1.bias (and 5 more tensors fused with it) 0.005 ms, "
+        "allreduce.fc2.bias (and 1 more tensor fused with it) 0.004 ms")
+
+
 def test_rows_follow_the_fixed_lane_order_per_rank(tmp_path: Path) -> None:
     trace = load_trace(hand_made_trace(tmp_path / "t.json"))
     assert trace.rows == [

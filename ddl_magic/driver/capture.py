@@ -26,6 +26,8 @@ from ..wire import cuda_values
 from ..wire.tasks import CellTask, FunctionTask
 
 LARGE_PAYLOAD_BYTES = 50 * 1024 * 1024
+REPORT_WIDTH = 100
+"""The capture line's width: it fits a notebook beside JupyterLab's file browser."""
 _NOTEBOOK_INTERNALS = {"In", "Out", "get_ipython", "exit", "quit", "_", "__", "___"}
 
 
@@ -40,13 +42,25 @@ class CapturedCell:
     ranks_own: list[str] = field(default_factory=list)  # read, and the pool's ranks' own
     on_gpu: list[str] = field(default_factory=list)  # captured names holding CUDA tensors
 
-    def report(self) -> str:
+    def report(self, width: int = REPORT_WIDTH) -> str:
         """'captured lr (float), Net (class), torch (module) · payload 3.1 KB', and in a pool
-        '... · the ranks' own: model, opt · ...'; a line more for CUDA tensors captured."""
-        listed = ", ".join(f"{name} ({kind})" for name, kind in self.names.items()) or "no notebook names"
-        own = f" · the ranks' own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
-        line = f"ddl_magic: captured {listed}{own} · payload {format_bytes(len(self.payload))}"
-        return line + ("\n" + gpu_note(self.on_gpu) if self.on_gpu else "")
+        '... · the ranks' own: model, opt · ...', wrapped to `width` between names (a
+        notebook wraps a long line anywhere, mid-word too); a line more for CUDA tensors
+        captured.
+
+        >>> print(CapturedCell(b"x" * 3174, {"lr": "float", "Net": "class"}, ["model"]).report(width=40))
+        ddl_magic: captured lr (float),
+          Net (class) · the ranks' own: model ·
+          payload 3.1 KB
+        """
+        # A no-break space holds what must stay on one line: a name and its kind, "the
+        # ranks' own:", the payload's size; textwrap breaks at ordinary spaces only.
+        listed = ", ".join(f"{name}\xa0({kind})" for name, kind in self.names.items()) or "no notebook names"
+        own = f" · the\xa0ranks'\xa0own: {', '.join(self.ranks_own)}" if self.ranks_own else ""
+        line = f"ddl_magic: captured {listed}{own} · payload\xa0{format_bytes(len(self.payload)).replace(' ', chr(160))}"
+        wrapped = textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                                break_on_hyphens=False).replace("\xa0", " ")
+        return wrapped + ("\n" + gpu_note(self.on_gpu) if self.on_gpu else "")
 
     @property
     def is_large(self) -> bool:

@@ -141,6 +141,7 @@ class Pool:
         self.np = np
         self.min_np = min_np  # elastic: lost ranks are replaced while min_np are left
         self.replaced: list[str] = []  # what each replacement of lost ranks said
+        self.last_pull_bytes = 0  # pickled, as the last pull brought them
         self.launcher = launcher
         self.where = launcher.where  # in words, for messages (an elastic pool's: at its start)
         self.env = dict(env or {})
@@ -513,6 +514,7 @@ class Pool:
         if not all(0 <= r < self.np for r in ranks):
             raise PoolError(f"--rank {rank}: this pool has ranks 0 to {self.np - 1}")
         values = self._server.pull(ranks, name, PULL_TIMEOUT_S)
+        self.last_pull_bytes = self._server.pulled_bytes
         return values if all_ranks else values[0]
 
     def status(self) -> list[RankInfo]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +50,8 @@ class PoolServer(ControlServer):
         self._cell: tuple[int, list[int]] | None = None
         self._ids = itertools.count()
         self._answers: dict[int, queue.Queue] = {}
+        self.pulled_bytes = 0
+        """How many pickled bytes the last `pull` brought, for the line that confirms it."""
 
     def begin_cell(self, epoch: int, ranks: list[int]) -> None:
         self._cell = (epoch, ranks)
@@ -100,6 +103,7 @@ class PoolServer(ControlServer):
         PoolError where one cannot send it or does not answer in time."""
         replies = self.ask(ranks, lambda request_id: Pull(request_id, name), timeout_s)
         values = []
+        self.pulled_bytes = 0
         for rank in ranks:
             reply = replies.get(rank)
             if reply is None:
@@ -107,6 +111,7 @@ class PoolServer(ControlServer):
             if reply.error:
                 raise KeyError(reply.error) if reply.missing else PoolError(reply.error)
             values.append(cloudpickle.loads(reply.value))
+            self.pulled_bytes += len(reply.value)
         return values
 
     def _relay_other(self, rank: int, message: object) -> bool:
@@ -206,7 +211,7 @@ class CellEvents:
                     # stopped: the one line saying how its code ended (the error that ended
                     # its collective names the failing rank)
                     last = text.strip().splitlines()[-1]
-                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {last}"))
+                    self._ready.append(RankOutput(rank, "stderr", f"stopped: {in_words(last)}"))
                 self._ready.append(RankFailed(rank, self._pool.hosts[rank], kind, text, reason,
                                               exit_code, at_ns, lost_rank))
 
@@ -239,3 +244,17 @@ class CellEvents:
             case _:
                 self._ready.append(event)
 
+
+_STOPPED_BY_US = re.compile(r"^(?:[\w.]*\.)?(?:CollectiveAbortedError|KeyboardInterrupt): "
+                            r"(?:the cell was stopped: )?")
+
+
+def in_words(last_line: str) -> str:
+    """How a stopped rank's code ended, without the exception that the stop itself raised.
+
+    >>> in_words("ddl_magic.runtime.errors.CollectiveAbortedError: the cell was stopped: the cell was interrupted")
+    'the cell was interrupted'
+    >>> in_words("RuntimeError: rank 0 failed")
+    'RuntimeError: rank 0 failed'
+    """
+    return _STOPPED_BY_US.sub("", last_line)

@@ -51,6 +51,25 @@ STATUS_COLOURS: dict[RankStatus | RunStatus, str] = {
 The two enums are strs that share the values they have in common ("running", "done",
 "failed"), so a run's status finds the same colour as a rank's of that name."""
 FAILED_ROW_BACKGROUND = "#ffebee"
+MONOSPACE = "font-family:var(--jp-code-font-family,monospace)"
+"""Logs, tracebacks and last lines: monospace in JupyterLab, in nbconvert's HTML and on GitHub."""
+
+
+def html_table(header: list[str], rows: list[tuple[str, list[str]]]) -> str:
+    """A left-aligned table with spaced columns, the first flush with the text above it.
+
+    Each row is (its `<tr>` attributes, its cells' HTML). The spacing is each cell's right
+    padding, not a negative margin: renderers that clip what lies left of the output area
+    (JupyterLab's rendered HTML, nbconvert) cut a negative margin's first letters off.
+
+    >>> html_table(["rank"], [("", ["0"])])
+    '<table style="border-collapse:collapse;margin:0"><tr><th style="padding:1px 12px 1px 0;text-align:left">rank</th></tr><tr><td style="padding:1px 12px 1px 0;text-align:left">0</td></tr></table>'
+    """
+    cell = 'style="padding:1px 12px 1px 0;text-align:left"'
+    head = "".join(f"<th {cell}>{name}</th>" for name in header)
+    body = "".join(f"<tr{attributes}>" + "".join(f"<td {cell}>{value}</td>" for value in values) + "</tr>"
+                   for attributes, values in rows)
+    return f'<table style="border-collapse:collapse;margin:0"><tr>{head}</tr>{body}</table>'
 
 
 def exit_status(code: int | None) -> str:
@@ -93,21 +112,19 @@ def run_report_html(run: RunResult) -> str:
     """The same as a table: status per rank (coloured), host, exit, when it started and how
     long it ran (seconds, from the run's start), and why it failed or stopped."""
     colour = STATUS_COLOURS.get(run.status, "#757575")
-    rows = "".join(_rank_row(run, rank) for rank in run.ranks)
-    header = "".join(f"<th>{name}</th>" for name in
-                     ("rank", "status", "host", "pid", "exit", "started at s", "ran s", "reason"))
-    style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+    table = html_table(["rank", "status", "host", "pid", "exit", "started at s", "ran s", "reason"],
+                       [_rank_row(run, rank) for rank in run.ranks])
     error = f"<div>{html.escape(run.error)}</div>" if run.error else ""
     timeline = (f"<div>timeline: <code>{html.escape(run.timeline_path)}</code></div>"
                 if run.timeline_path else "")
     return (f"<div><b>run {html.escape(run.run_id)}</b> · "
             f'<b style="color:{colour}">{html.escape(run_headline(run))}</b></div>{error}'
-            f'<table style="{style}"><tr>{header}</tr>{rows}</table>'
+            f"{table}"
             f"<div>logs: <code>{html.escape(run.log_dir)}</code> (<code>run.log(rank)</code> reads one)</div>"
             f"{timeline}")
 
 
-def _rank_row(run: RunResult, rank: RankRecord) -> str:
+def _rank_row(run: RunResult, rank: RankRecord) -> tuple[str, list[str]]:
     colour = STATUS_COLOURS[rank.status]
     started = "—" if rank.started_at is None else f"{rank.started_at - run.started_at:.2f}"
     ran = "—" if rank.duration_s is None else f"{rank.duration_s:.2f}"
@@ -115,4 +132,4 @@ def _rank_row(run: RunResult, rank: RankRecord) -> str:
              html.escape(rank.host or "—"), "—" if rank.pid is None else str(rank.pid),
              html.escape(exit_status(rank.exit_code)), started, ran, html.escape(rank.reason)]
     background = f' style="background:{FAILED_ROW_BACKGROUND}"' if rank.status is RankStatus.FAILED else ""
-    return f"<tr{background}>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>"
+    return background, cells

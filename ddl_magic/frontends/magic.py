@@ -18,7 +18,7 @@ from ..driver.job import Job, JobOptions, last_run
 from ..driver.pool import PoolError, active_pool
 from ..driver.run_result import RankFailedError, RunTimeoutError
 from ..driver.run_status import RunStatus
-from .pool_magic import POOL_RESTARTS_REFUSED, run_cell_on_pool, run_line, transform_body
+from .pool_magic import POOL_RESTARTS_REFUSED, cell_filename, run_cell_on_pool, run_line, transform_body
 from .data_options import dataframes_read, parse_data, shares_for_run
 
 __all__ = ["CellInterrupted", "HorovodMagics", "HorovodUsageError", "show_run_error"]
@@ -79,6 +79,8 @@ class HorovodMagics(Magics):
             %horovod auto  /  %horovod auto off   # every following cell runs on the ranks
             %horovod restart            # fresh ranks, same options: their state is gone
             %horovod stop               # back to one-shot cells
+            %horovod release            # end the rank factory that local runs fork from
+                                        #   (torch imported, a few hundred MB kept warm)
 
         `%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]]
         [--env KEY=VALUE ...] [--gpu]`: the options are the pool's, for every cell. In a pool, a failing rank's
@@ -137,7 +139,7 @@ class HorovodMagics(Magics):
             with shares_for_run(datasets, args.np, wants_spark(options.spark), args.quiet) as data:
                 namespace = collections.ChainMap(data.shares, self.shell.user_ns)
                 _refuse_unknown_names(source, namespace)
-                captured = capture_cell(source, namespace)
+                captured = capture_cell(source, namespace, filename=cell_filename(self.shell))
                 if not args.quiet:
                     print(captured.report())
                 if captured.is_large:

@@ -6,6 +6,7 @@
     %horovod pull model --rank 1      a rank's value, into the notebook
     %horovod status | restart | stop
     %horovod auto  /  %horovod auto off   every following cell runs on the ranks
+    %horovod release                  end the rank factory local runs fork from (memory back)
 
 or, in a script::
 
@@ -19,12 +20,14 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from typing import Any
 
 import cloudpickle
 
-from ..driver.capture import capture_cell
+from ..driver.capture import capture_cell, format_bytes
 from ..driver.pool import Pool, PoolError, RankInfo, active_pool
 from ..driver.text_display import TextDisplay
+from ..launch.local import release_rank_factory
 from ..launch.shares import is_spark_dataframe
 from ..wire.tasks import CellTask
 from .data_options import parse_data, shares_for_run
@@ -112,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     MAX_RESTARTS.add_to(started)
     loaded = commands.add_parser("data", add_help=False, exit_on_error=False)
     loaded.add_argument("datasets", nargs="+", metavar="NAME=VALUE")
-    for name in ("stop", "status", "restart"):
+    for name in ("stop", "status", "restart", "release"):
         commands.add_parser(name, add_help=False, exit_on_error=False)
     pulled = commands.add_parser("pull", add_help=False, exit_on_error=False)
     pulled.add_argument("name")
@@ -129,7 +132,7 @@ LINE_USAGE = ("%horovod start -np N [--min-np M] [--spark | --local] [--timeline
               "[--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] [--data NAME=VALUE ...] "
               "· %horovod data NAME=VALUE ... · %horovod status "
               "· %horovod pull NAME [--rank R | --all-ranks] [-o NAME] "
-              "· %horovod restart · %horovod stop · %horovod auto [off]")
+              "· %horovod restart · %horovod stop · %horovod auto [off] · %horovod release")
 
 
 POOL_RESTARTS_REFUSED = (
@@ -181,11 +184,15 @@ def run_line(shell, line: str):
                   + (f": {pool.broken_reason}" if pool.broken_reason else ""))
             print(status_table(pool.status()))
         case "pull":
-            value = _the_pool(pool).pull(args.name, args.rank, args.all_ranks)
+            pool = _the_pool(pool)
+            value = pool.pull(args.name, args.rank, args.all_ranks)
             if args.out:
                 shell.user_ns[args.out] = value
+                print(pulled_line(args, value, pool.last_pull_bytes))
                 return None
             return value
+        case "release":
+            print(release_line(pool))
         case "auto":
             _the_pool(pool) if args.switch == "on" else None
             set_auto(shell, args.switch == "on")
@@ -193,6 +200,32 @@ def run_line(shell, line: str):
                   "%horovod auto off" if args.switch == "on" else
                   "ddl_magic: cells run in the notebook again")
     return None
+
+
+def pulled_line(args: argparse.Namespace, value: Any, size: int) -> str:
+    """The line confirming `%horovod pull NAME -o OUT`: what came from where, and how big.
+
+    >>> pulled_line(argparse.Namespace(name="model", out="m", rank=0, all_ranks=False), [1], 1258291)
+    "ddl_magic: m ← rank 0's model (list, 1.2 MB)"
+    """
+    if args.all_ranks:
+        return (f"ddl_magic: {args.out} ← every rank's {args.name} (a list of {len(value)}, "
+                f"{format_bytes(size)} in all)")
+    return f"ddl_magic: {args.out} ← rank {args.rank}'s {args.name} ({type(value).__name__}, {format_bytes(size)})"
+
+
+def release_line(pool: Pool | None) -> str:
+    """`%horovod release`: end the rank factory that a kernel keeps after its first local run
+    (torch imported, a few hundred MB, so that the next ranks start fast), and say so."""
+    if pool is not None:
+        raise PoolError("a pool is running: its local ranks are the rank factory's children. "
+                        "%horovod stop first, then %horovod release")
+    released = release_rank_factory()
+    if released is None:
+        return "ddl_magic: no rank factory is running (the first local run starts one)"
+    pid, resident = released
+    return (f"ddl_magic: the rank factory (pid {pid}, {format_bytes(resident)}) has ended; "
+            "the next local run starts a new one")
 
 
 def _the_pool(pool: Pool | None) -> Pool:
@@ -263,12 +296,18 @@ def run_cell_on_pool(shell, pool: Pool, args, line: str, cell: str):
             raise HorovodUsageError(f"--ranks {args.ranks!r}: expected rank numbers, e.g. --ranks 0,1") from None
     pool.check_usable()
     captured = capture_cell("\n" + transform_body(shell, cell), shell.user_ns, pool.rank_names,
-                            filename=f"<%%horovod cell {pool.cells + 1}>")
+                            filename=cell_filename(shell))
     if not args.quiet:
         print(captured.report())
+    # --quiet drops the capture line only: the run shows as any cell's, as in a one-shot cell
     return pool.run_cell(captured.payload, ranks=ranks, return_all=args.all_ranks,
-                         timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "),
-                         quiet=args.quiet)
+                         timeout_s=args.timeout, title=f"%%horovod {line.strip()} (pool)".replace("  ", " "))
+
+
+def cell_filename(shell) -> str:
+    """What the ranks' tracebacks call the cell: by the notebook's own number for it
+    (IPython's `In [9]`), which the cell's prompt shows while it runs."""
+    return f"<%%horovod cell In[{shell.execution_count}]>"
 
 
 # ---- auto mode: every cell to the ranks (ipyparallel's %autopx) ------------------------------

@@ -332,9 +332,22 @@ def _top_tensors(events: pd.DataFrame, counted: np.ndarray, top: int) -> dict[in
     for position, rank in enumerate(ranks):
         per_tensor = totals[position * len(names):(position + 1) * len(names)]
         ranked = [i for i in np.argsort(-per_tensor, kind="stable")[:top] if per_tensor[i] > 0]
-        described[int(rank)] = ", ".join(f"{names[i]} {_format_number(per_tensor[i] / 1000.0)} ms"
+        described[int(rank)] = ", ".join(f"{_in_words(names[i])} {_format_number(per_tensor[i] / 1000.0)} ms"
                                          for i in ranked)
     return described
+
+
+def _in_words(tensor: str) -> str:
+    """A fused bucket's name as a reader takes it: the optimizers name a bucket after its
+    first tensor and how many others share it ('allreduce.fc.bias+5').
+
+    >>> _in_words("allreduce.fc.bias+5")
+    'allreduce.fc.bias (and 5 more tensors fused with it)'
+    """
+    first, plus, others = tensor.rpartition("+")
+    if not (plus and first and others.isdigit()):
+        return tensor
+    return f"{first} (and {others} more tensor{'s' if others != '1' else ''} fused with it)"
 
 
 def _tensor_codes(tensors: pa.ChunkedArray) -> tuple[pa.Array, list[np.ndarray]]:

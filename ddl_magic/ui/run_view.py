@@ -41,7 +41,7 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 
 from ..driver.events import Event, GroupRestarted, RankFailed, RankOutput, TimelineBatch, WorldReset
 from ..driver.records import RankRecord, RankStatus
-from ..driver.run_report import FAILED_ROW_BACKGROUND, STATUS_COLOURS
+from ..driver.run_report import FAILED_ROW_BACKGROUND, MONOSPACE, STATUS_COLOURS, html_table
 from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
 
@@ -160,6 +160,8 @@ class RunView:
         self._live_lanes = None
         self._live_drawn = (-1, -math.inf)  # the LiveTimeline version drawn, and the next draw's time
         self._timeline_problem = ""
+        self._lanes_picture = ""  # the finished run's lanes as SVG, for renderers without widgets
+        self._drawing_timeline = False
         self.timeline_text = ""
         """The finished run's timeline summary as text (for frontends without widgets)."""
         self._display_handle = None
@@ -291,8 +293,12 @@ class RunView:
             self._make_widgets()
             if self._shown_at is not None:
                 self._show_widgets()
+        # The banner says the figure is being drawn, until it is: the cell is busy till then.
+        self._drawing_timeline = self.timeline_path is not None or self._live is not None
         self.refresh()
         self._show_final_timeline()
+        self._drawing_timeline = False
+        self.refresh()
         if self._display_handle is not None:
             bundle = self._widget_bundle(self.report_text())
             bundle["text/html"] = self.report_html()
@@ -327,7 +333,7 @@ class RunView:
         now = self._now()
         log = self._render_log(self._all, self._log_note(self._all, None), labelled=True) if self._all.appended else ""
         return (self._render_banner(now) + self._render_table(now) + self._render_failure() + log
-                + (self._live_summary.value if self.timeline_text else ""))
+                + (self._live_summary.value + self._lanes_picture if self.timeline_text else ""))
 
     def state(self) -> dict:
         """A plain snapshot of the view, for tests and for the run's record."""
@@ -413,6 +419,8 @@ class RunView:
     def _show_final_timeline(self) -> None:
         """The run is over: the figure and the summary become the whole trace's, read from
         its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
+        from .lanes_svg import lanes_svg
+
         trace = None
         if self.timeline_path is not None and os.path.exists(self.timeline_path):
             from ..timeline.analysis import summary_report
@@ -424,6 +432,7 @@ class RunView:
                 self._timeline_problem = f"the timeline at {self.timeline_path} could not be read: {exc}"
         if trace is not None:
             self.timeline_text, summary_html = summary_report(trace)
+            self._lanes_picture = lanes_svg(trace)
             self._live_summary.value = f"<b>timeline</b>{summary_html}"
             if len(trace.events):
                 self._show_lanes(trace)
@@ -434,19 +443,18 @@ class RunView:
             self._draw_timeline_now()
             self._live_summary.value = self._render_timeline_summary("timeline")
             self.timeline_text = self._live.summary_line(self._finished_at - self._started_at)
+            self._lanes_picture = lanes_svg(self._live.trace())
 
     def _render_timeline_summary(self, heading: str) -> str:
         from ..timeline.live import KINDS
 
         summary, shares, kinds = self._live.summary(), self._live.shares(), self._live.recorded_kinds()
-        rows = [f"<tr><td>{rank}</td>{''.join(f'<td>{shares[rank][i]}</td>' for i in kinds)}"
-                f"<td>{summary[rank]['wall_ms'] / 1000.0:.1f}</td></tr>" for rank in summary]
-        header = ("<tr><th>rank</th>" + "".join(f"<th>{KINDS[i]} %</th>" for i in kinds)
-                  + "<th>recorded s</th></tr>")
-        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
+        rows = [("", [str(rank), *(shares[rank][i] for i in kinds), f"{summary[rank]['wall_ms'] / 1000.0:.1f}"])
+                for rank in summary]
+        header = ["rank", *(f"{KINDS[i]} %" for i in kinds), "recorded s"]
         problem = (f'<div style="color:{STATUS_COLOURS[RankStatus.FAILED]}">{html.escape(self._timeline_problem)}</div>'
                    if self._timeline_problem else "")
-        return f'<b>{heading}</b>{problem}<table style="{style}">{header}{"".join(rows)}</table>'
+        return f"<b>{heading}</b>{problem}{html_table(header, rows)}"
 
     def _rank(self, rank: int) -> RankOutputView:
         if not 0 <= rank < self.np:
@@ -490,9 +498,10 @@ class RunView:
         if self._outcome is RunStatus.RUNNING:
             done = sum(record.status is RankStatus.DONE for record in self._records)
             return f"running · {done}/{self.np} done · {elapsed}"
+        drawing = " · drawing the timeline…" if self._drawing_timeline else ""
         if self._outcome is RunStatus.DONE:
-            return f"done in {elapsed}"
-        return f"{self._outcome} after {elapsed}"
+            return f"done in {elapsed}{drawing}"
+        return f"{self._outcome} after {elapsed}{drawing}"
 
     def _banner_text(self, now: float) -> str:
         logs = f" · logs in {self.log_dir}" if self.log_dir else ""
@@ -513,16 +522,11 @@ class RunView:
             failed = record.status is RankStatus.FAILED
             background = f' style="background:{FAILED_ROW_BACKGROUND}"' if failed else ""
             last_line = _shortened(rank.last_line)
-            rows.append(
-                f"<tr{background}><td>{rank.rank}</td><td>{_badge(record.status)}</td>"
-                f"<td>{html.escape(record.host) or '—'}</td>"
-                f"<td>{'—' if elapsed is None else _format_elapsed(elapsed)}</td>"
-                f"<td><code>{html.escape(last_line)}</code></td></tr>"
-            )
-        header = "<tr><th>rank</th><th>status</th><th>host</th><th>elapsed</th><th>last line</th></tr>"
-        # Spaced columns; the negative margin keeps the first column flush with the banner.
-        style = "text-align:left;border-spacing:12px 2px;margin-left:-12px"
-        return f'<table style="{style}">{header}{"".join(rows)}</table>'
+            rows.append((background, [
+                str(rank.rank), _badge(record.status), html.escape(record.host) or "—",
+                "—" if elapsed is None else _format_elapsed(elapsed),
+                f'<code style="{MONOSPACE}">{html.escape(last_line)}</code>']))
+        return html_table(["rank", "status", "host", "elapsed", "last line"], rows)
 
     def _render_failure(self) -> str:
         if not self._failures:
@@ -535,7 +539,7 @@ class RunView:
             f'background:{FAILED_ROW_BACKGROUND};padding:4px 8px">'
             f"<b>rank {first.rank} on {html.escape(first.host or self._records[first.rank].host or '?')} failed: "
             f"{html.escape(first.reason)}</b>"
-            f'<pre style="margin:4px 0">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
+            f'<pre style="margin:4px 0;{MONOSPACE}">{html.escape(self._shown_traceback(first))}</pre>{also}</div>'
         )
 
     def _shown_traceback(self, failure: RankFailed) -> str:
@@ -560,7 +564,7 @@ class RunView:
         return (
             f"{note_html}<div style=\"max-height:{LOG_HEIGHT};overflow:auto;"
             f'display:flex;flex-direction:column-reverse">'
-            f'<pre style="margin:0">{html.escape(text)}</pre></div>'
+            f'<pre style="margin:0;{MONOSPACE}">{html.escape(text)}</pre></div>'
         )
 
 
