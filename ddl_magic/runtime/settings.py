@@ -16,20 +16,26 @@ TORCH_PLANE_VARIABLE = "DDL_MAGIC_TORCH_PLANE"
 TORCH_PLANE_CHOICES = ("auto", "nccl", "gloo", "off")
 
 
+def _choice(variable: str, choices: tuple[str, ...], value: str | None, meaning: str) -> str:
+    """One of `choices`, from `value` or else the environment's `variable` (empty: the first,
+    "auto"); anything else is refused with the choices and what they mean."""
+    if value is None:
+        value = os.environ.get(variable, "")
+    choice = value.strip().lower() or choices[0]
+    if choice not in choices:
+        raise ValueError(f"{variable}={value!r} is not one of {', '.join(choices)}: {meaning}")
+    return choice
+
+
 def transport_choice(value: str | None = None) -> str:
     """`DDL_MAGIC_TRANSPORT` (or `value`): auto (shared memory within a host where it works), tcp or shm.
 
     >>> transport_choice("TCP")
     'tcp'
     """
-    if value is None:
-        value = os.environ.get(TRANSPORT_VARIABLE, "")
-    choice = value.strip().lower() or "auto"
-    if choice not in TRANSPORT_CHOICES:
-        raise ValueError(f"{TRANSPORT_VARIABLE}={value!r} is not one of "
-                         f"{', '.join(TRANSPORT_CHOICES)}: auto uses shared memory between ranks on "
-                         "one host and TCP between hosts; tcp forces sockets everywhere")
-    return choice
+    return _choice(TRANSPORT_VARIABLE, TRANSPORT_CHOICES, value,
+                   "auto uses shared memory between ranks on one host and TCP between hosts; "
+                   "tcp forces sockets everywhere")
 
 
 ALGORITHM_VARIABLE = "DDL_MAGIC_ALLREDUCE_ALGORITHM"
@@ -44,14 +50,8 @@ def allreduce_algorithm(value: str | None = None) -> str:
     >>> allreduce_algorithm(" Ring ")
     'ring'
     """
-    if value is None:
-        value = os.environ.get(ALGORITHM_VARIABLE, "")
-    choice = value.strip().lower() or "auto"
-    if choice not in ALGORITHM_CHOICES:
-        raise ValueError(f"{ALGORITHM_VARIABLE}={value!r} is not one of "
-                         f"{', '.join(ALGORITHM_CHOICES)}: auto picks recursive doubling for "
-                         "small allreduces and the ring for large ones")
-    return choice
+    return _choice(ALGORITHM_VARIABLE, ALGORITHM_CHOICES, value,
+                   "auto picks recursive doubling for small allreduces and the ring for large ones")
 
 
 def torch_plane_choice(value: str | None = None) -> str:
@@ -61,15 +61,10 @@ def torch_plane_choice(value: str | None = None) -> str:
     >>> torch_plane_choice(" NCCL ")
     'nccl'
     """
-    if value is None:
-        value = os.environ.get(TORCH_PLANE_VARIABLE, "")
-    choice = value.strip().lower() or "auto"
-    if choice not in TORCH_PLANE_CHOICES:
-        raise ValueError(f"{TORCH_PLANE_VARIABLE}={value!r} is not one of "
-                         f"{', '.join(TORCH_PLANE_CHOICES)}: auto sends CUDA tensors through NCCL "
-                         "where they leave the host; nccl everywhere; gloo sends every tensor "
-                         "through gloo (the CPU stand-in for NCCL); off never uses NCCL")
-    return choice
+    return _choice(TORCH_PLANE_VARIABLE, TORCH_PLANE_CHOICES, value,
+                   "auto sends CUDA tensors through NCCL where they leave the host; nccl "
+                   "everywhere; gloo sends every tensor through gloo (the CPU stand-in for "
+                   "NCCL); off never uses NCCL")
 
 
 @dataclass(frozen=True)
