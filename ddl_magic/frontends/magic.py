@@ -83,7 +83,8 @@ class HorovodMagics(Magics):
                                         #   (torch imported, a few hundred MB kept warm)
 
         `%horovod start -np N [--min-np M] [--spark | --local] [--timeline [PATH]]
-        [--env KEY=VALUE ...] [--gpu]`: the options are the pool's, for every cell. In a pool, a failing rank's
+        [--env KEY=VALUE ...] [--memory-per-rank SIZE] [--gpu] [--data NAME=VALUE ...]`: the
+        options are the pool's, for every cell. In a pool, a failing rank's
         traceback is shown and the other ranks' cells are stopped (their collectives end
         with an error naming it), the stop button interrupts every rank's cell, and
         `--timeout` stops the cell: the ranks stay up with their state, and the next cell
