@@ -123,8 +123,12 @@ def test_a_non_elastic_spark_run_still_fails_fast(spark, tmp_path):
 def test_an_elastic_run_over_a_dataframe_is_refused_saying_what_to_do(spark):
     from ddl_magic.launch.spark import SparkLauncher
 
-    launcher = SparkLauncher(spark, data=spark.range(8))
-    with pytest.raises(ValueError, match="cannot train on a DataFrame's partitions"):
+    from ddl_magic.launch.shares import prepare_shares
+
+    stage = prepare_shares({"train": spark.range(8)}, 2, on_spark=True).spark_stage
+    launcher = SparkLauncher(spark, data=stage)
+    with pytest.raises(ValueError, match="cannot be given a Spark DataFrame.*Write the "
+                                         "DataFrame to Parquet and give the path"):
         launcher.check_elastic(2, 2)
 
 

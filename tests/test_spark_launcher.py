@@ -35,6 +35,10 @@ def functions_travel_by_value():
 
 def run_on_spark(function, np, data=None, **kwargs):
     options = JobOptions(timeout_s=RUN_TIMEOUT_S, return_all=True, hide_output=True)
+    if data is not None:  # a stage over the DataFrame, as a run given one has
+        from ddl_magic.launch.shares import prepare_shares
+
+        data = prepare_shares({"data": data}, np, on_spark=True).spark_stage
     return Job(FunctionTask(function, kwargs), np, SparkLauncher(data=data), options).run()
 
 
