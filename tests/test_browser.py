@@ -430,7 +430,7 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
         return !!plot && plot.querySelectorAll('.bars path').length > 0
             && view.textContent.includes('running') && view.textContent.includes('timeline so far')
             && {{rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent)}}; }})()""",
-                         timeout=60, what="the run view to draw live lanes while the run trains")
+                         timeout=110, what="the run view to draw live lanes while the run trains")
     assert any(row.startswith("rank 0 (") and "shared_memory" in row for row in live["rows"]), live
     page.screenshot(tmp_path / "live_lanes.png", element=RUN_VIEW)
     stop_file.touch()
