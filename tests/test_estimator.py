@@ -24,7 +24,7 @@ from pyspark.sql import functions
 from ddl_magic.labs.datasets import IRIS_FEATURES, load_iris
 from ddl_magic.spark.estimator import TorchEstimator, TorchModel
 from ddl_magic.driver.run_result import RankFailedError
-from spark_sessions import connect_only, no_spark_job_active, sent_by_value
+from spark_sessions import classic_only, connect_only, no_spark_job_active, sent_by_value
 from trace_files import chrome_events, columnar_events
 
 
@@ -243,6 +243,8 @@ def test_a_pipeline_with_an_unfitted_estimator_saves_loads_and_fits_alike(spark,
 
 
 def test_cross_validation_fits_each_param_map_on_a_copy(spark, tmp_path):
+    classic_only(spark, "the copies are made on the driver, the same on either kind of "
+                        "session; fits on Connect are the other tests'")
     df = numbered_rows(spark, 80, 2)
     estimator = noting_estimator(tmp_path)
     initial = {name: weights.clone() for name, weights in
