@@ -397,6 +397,9 @@ class Pool:
         except PoolBrokenError as stuck:
             self._break(str(stuck))
             return
+        # A rank's end comes with its last words (a stopped rank's "stopped: ..." line), which
+        # may still be queued when the last end is counted: they belong in the cell's logs.
+        watcher.drain()
         for rank in selected:
             ended = events.ended.get(rank)
             if ended is None or not ended.ring_ok:
