@@ -39,6 +39,21 @@ def pytest_xdist_make_scheduler(config, log):
     return WholeModules(config, log)
 
 
+def pytest_collection_modifyitems(items):
+    """A `long_on_connect` test's Spark Connect variant is a long check (`-m long`): the
+    default run tries that behaviour on a classic session only."""
+    for item in items:
+        if item.get_closest_marker("long_on_connect") and _on_connect(item):
+            item.add_marker(pytest.mark.long)
+
+
+def _on_connect(item) -> bool:
+    params = getattr(item, "callspec", None)
+    return params is not None and any(
+        value == "connect" or (isinstance(value, str) and "Spark Connect" in value)
+        for value in params.params.values())
+
+
 SPARK_KINDS = ["classic", "connect"]
 
 

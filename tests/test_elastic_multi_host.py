@@ -89,6 +89,7 @@ def assert_grew_back(runner, result, returned_at):
     assert wait_until(no_spark_job_active, timeout_s=30), "a rank's job still holds its slot"
 
 
+@pytest.mark.long  # the default run keeps one host lost and back: its link cut
 def test_a_hosts_worker_killed_leaves_training_on_the_other_and_its_return_grows_it_back(
         spark, cluster, tmp_path):
     import psutil

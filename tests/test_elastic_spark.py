@@ -83,6 +83,7 @@ def assert_trained_as_committed(weights, done):
         assert torch.allclose(weights[name], value, atol=1e-6), name
 
 
+@pytest.mark.long_on_connect
 def test_a_killed_rank_is_replaced_by_a_new_task_that_joins_at_a_commit(spark, tmp_path):
     runner = HorovodRunner(np=2, min_np=1, timeout=180, driver_log_verbosity="log_callback_only")
     weights, done, size = runner.run(train_until_whole_again, log_dir=str(tmp_path), np=2,

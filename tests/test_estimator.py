@@ -114,6 +114,7 @@ def test_a_pipeline_with_vector_assembler_trains_iris_as_well_as_spark_mls_mlp(s
     assert history[-1]["loss"] < history[0]["loss"]
 
 
+@pytest.mark.long_on_connect
 def test_predictions_are_the_trained_modules_on_array_and_scalar_columns(spark, tmp_path):
     df = (numbered_rows(spark, 60, 3)
           .withColumn("pair", functions.array(functions.col("x"), functions.col("x") * 2)))
@@ -131,6 +132,7 @@ def test_predictions_are_the_trained_modules_on_array_and_scalar_columns(spark, 
     assert model.transform(df).schema["prediction"].dataType.simpleString() == "double"
 
 
+@pytest.mark.long_on_connect
 @pytest.mark.parametrize("num_proc", [2, 3])
 def test_each_epoch_sees_every_row_once_however_uneven_the_partitions(spark, tmp_path, num_proc):
     # 8 partitions of 125 rows; the filter empties five and leaves two partial.
@@ -147,6 +149,7 @@ def test_each_epoch_sees_every_row_once_however_uneven_the_partitions(spark, tmp
     assert shards_left() == []
 
 
+@pytest.mark.long_on_connect
 def test_a_validation_column_holds_rows_out_of_training(spark, tmp_path):
     df = numbered_rows(spark, 200, 4).withColumn("held_out", functions.col("id") >= 150)
     model = noting_estimator(tmp_path, validation="held_out", metrics=["accuracy"]).fit(df)
@@ -154,6 +157,7 @@ def test_a_validation_column_holds_rows_out_of_training(spark, tmp_path):
     assert {"val_loss", "val_accuracy"} <= set(model.history[0])
 
 
+@pytest.mark.long_on_connect
 def test_a_fraction_holds_out_that_share_of_the_rows(spark, tmp_path):
     df = numbered_rows(spark, 400, 4)
     model = noting_estimator(tmp_path, validation=0.25, batch_size=5).fit(df)
@@ -161,6 +165,7 @@ def test_a_fraction_holds_out_that_share_of_the_rows(spark, tmp_path):
     assert "val_loss" in model.history[0]
 
 
+@pytest.mark.long_on_connect
 def test_save_and_load_give_the_same_predictions_and_history(spark, tmp_path):
     df = numbered_rows(spark, 60, 2)
     model = noting_estimator(tmp_path, epochs=2).fit(df)
@@ -201,6 +206,7 @@ def predictions(model, df) -> list[float]:
     return [row.prediction for row in model.transform(df).orderBy("id").collect()]
 
 
+@pytest.mark.long_on_connect
 def test_a_fitted_pipeline_saves_and_loads_with_spark_ml_persistence(spark, tmp_path):
     df = numbered_rows(spark, 60, 2)
     estimator = noting_estimator(tmp_path, feature_cols=["scaled"], epochs=2)
@@ -269,6 +275,7 @@ def test_cross_validation_fits_each_param_map_on_a_copy(spark, tmp_path):
         initial["linear.weight"]), "fitting changed the estimator's own model"
 
 
+@pytest.mark.long_on_connect
 def test_a_second_fit_with_the_same_run_id_resumes_after_the_last_epoch(spark, tmp_path):
     df = numbered_rows(spark, 40, 2)
     notes, checkpoints = tmp_path / "notes", str(tmp_path / "checkpoints")
@@ -368,6 +375,7 @@ def test_a_fit_from_another_thread_finds_the_session(spark, tmp_path):
     assert len(outcome["model"].history) == 1
 
 
+@pytest.mark.long_on_connect
 def test_a_fit_records_every_ranks_timeline_when_asked(spark, tmp_path):
     path = tmp_path / "fit.timeline.json"
     noting_estimator(tmp_path, timeline=str(path)).fit(numbered_rows(spark, 40, 2))

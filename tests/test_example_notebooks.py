@@ -74,6 +74,7 @@ def source_of(notebook: nbformat.NotebookNode, kind: str) -> str:
 
 
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
+@pytest.mark.long  # the default run opens lab 01 in JupyterLab (test_browser.py): its accuracies
 def test_01_iris_spark_mlp_and_torch_on_two_ranks_both_learn():
     notebook, report = run_notebook("01_iris_mlp.ipynb", """
 import ddl_magic

@@ -222,6 +222,7 @@ def start_training_in_background(tmp_path, **env):
     return started, outcome, thread
 
 
+@pytest.mark.long  # the default run keeps one fault across hosts: a rank killed
 def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, cluster, tmp_path,
                                                                    monkeypatch):
     from ddl_magic.wire.channel import PEER_TIMEOUT_VARIABLE
@@ -256,6 +257,7 @@ def test_a_host_cut_off_mid_training_fails_the_run_naming_that_host(spark, clust
     assert [rank["sum"] for rank in run_on_cluster(train, steps=2).results] == [6.0] * NP
 
 
+@pytest.mark.long  # the default run keeps one fault across hosts: a rank killed
 def test_a_run_started_while_a_host_is_cut_off_fails_naming_that_host(spark, cluster,
                                                                       monkeypatch):
     """Spark still places ranks on a host it cannot reach (its executor's heartbeat has not
@@ -284,6 +286,7 @@ def test_a_run_started_while_a_host_is_cut_off_fails_naming_that_host(spark, clu
     assert [rank["sum"] for rank in run_on_cluster(train, steps=2).results] == [6.0] * NP
 
 
+@pytest.mark.long  # the default run keeps one fault across hosts: a rank killed
 def test_a_hosts_worker_killed_fails_the_run_naming_the_host_and_its_ranks(spark, cluster,
                                                                            tmp_path):
     import psutil

@@ -70,6 +70,7 @@ def test_notebook_names_are_captured_and_rank_0_result_is_the_cell_result(kernel
     assert kernel.run("import ddl_magic\nddl_magic.last_run().where").result == repr(where)
 
 
+@pytest.mark.long_on_connect
 def test_names_the_cell_assigns_stay_on_the_ranks(kernel):
     kernel.run("model = 'the notebook model'")
     out = kernel.run("%%horovod -np 2 --quiet\nmodel = 'a rank model'\nmodel")
@@ -78,6 +79,7 @@ def test_names_the_cell_assigns_stay_on_the_ranks(kernel):
     assert kernel.run("model").result == "'the notebook model'"
 
 
+@pytest.mark.long_on_connect
 def test_all_ranks_returns_every_ranks_value(kernel):
     out = kernel.run("%%horovod -np 3 --all-ranks --quiet\n"
                      "import ddl_magic.torch as hvd\nhvd.init()\nhvd.rank() * 10")
@@ -133,6 +135,7 @@ def test_plain_ddp_code_trains_in_a_cell_to_the_weights_of_one_process(kernel, n
     assert check.stdout.strip() == f"{np} True", (check.stdout, out.stdout)
 
 
+@pytest.mark.long_on_connect
 def test_output_lines_are_attributed_to_their_rank(kernel):
     out = kernel.run("%%horovod -np 2\n"
                      "import sys, logging\nimport ddl_magic.torch as hvd\nhvd.init()\n"
@@ -164,6 +167,7 @@ def test_a_failing_rank_shows_its_traceback_and_the_next_cell_runs(kernel):
     assert kernel.run("%%horovod -np 2 --quiet\n1 + 1").result == "2"
 
 
+@pytest.mark.long_on_connect
 def test_a_collectives_error_shows_the_users_line_not_ddl_magics_frames(kernel):
     out = kernel.run("%%horovod -np 2 --quiet\n"
                      "import ddl_magic.torch as hvd\nhvd.init()\n"
@@ -224,6 +228,7 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     assert kernel.run("%%horovod -np 2 --quiet\n'still works'").result == "'still works'"
 
 
+@pytest.mark.long_on_connect
 def test_interrupt_stops_a_torch_estimator_fit(kernel):
     if not kernel.on_spark:
         pytest.skip("TorchEstimator trains on a Spark DataFrame")
@@ -258,6 +263,7 @@ def test_interrupt_stops_a_torch_estimator_fit(kernel):
     assert kernel.run(ACTIVE_SPARK_JOBS).result == "[]"
 
 
+@pytest.mark.long_on_connect
 def test_a_failing_rank_runs_once(kernel, tmp_path):
     marker = tmp_path / "runs.txt"
     out = kernel.run("%%horovod -np 2 --quiet\n"

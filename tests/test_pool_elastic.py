@@ -79,6 +79,7 @@ def test_min_np_is_checked_before_anything_starts():
         ddl_magic.start(np=2, min_np=3)
 
 
+@pytest.mark.long_on_connect
 def test_an_elastic_pool_on_spark_replaces_a_killed_rank_with_a_new_task(spark):
     import cloudpickle
 

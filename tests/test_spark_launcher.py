@@ -84,6 +84,7 @@ def process_alive(pid: int) -> bool:
     return state != "Z"  # an exited orphan waiting for init to reap it is gone too
 
 
+@pytest.mark.long_on_connect
 @pytest.mark.parametrize("np", [2, 4])
 def test_every_rank_allreduces_and_returns_its_value(spark, np):
     run = run_on_spark(allreduce_ranks, np)
@@ -106,6 +107,7 @@ def test_more_ranks_than_task_slots_is_refused_at_once(spark):
     assert no_spark_job_active()
 
 
+@pytest.mark.long_on_connect
 def test_a_failing_rank_stops_every_rank_and_spark_does_not_run_it_again(spark, tmp_path):
     log_path = tmp_path / "invocations.log"
     with pytest.raises(RankFailedError) as failure:
