@@ -34,7 +34,7 @@ def pytest_sessionstart(session):
 
 # ---- two test processes at once (pytest-xdist, `-n 2` in pyproject.toml) ---------------------
 
-_MULTI_HOST_MODULES = "test_*_multi_host.py"
+_MULTI_HOST_MODULES = "test_*multi_host.py"  # test_multi_host.py too
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called where it runs the tests
@@ -49,12 +49,27 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             return _MULTI_HOST_MODULES if fnmatch(Path(module).name, _MULTI_HOST_MODULES) else module
 
+    config.option.loadscopereorder = False  # in the collection's order: the longest first
     return WholeModules(config, log)
 
 
+# The modules that take longest (seconds of a CI run), handed out first so that no long one is
+# left to run alone at the end (xdist would hand out the modules with the most tests first).
+_LONGEST_FIRST = ("test_estimator.py", _MULTI_HOST_MODULES, "test_notebook_magic.py",
+                  "test_example_notebooks.py", "test_browser.py", "test_ddlrun.py",
+                  "test_pool.py", "test_mlflow.py", "test_fail_fast.py", "test_spark_launcher.py")
+
+
+def _handed_out_at(item) -> int:
+    name = item.path.name
+    return next((at for at, pattern in enumerate(_LONGEST_FIRST) if fnmatch(name, pattern)),
+                len(_LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(items):
-    """A `long_on_connect` test's Spark Connect variant is a long check (`-m long`): the
-    default run tries that behaviour on a classic session only."""
+    """The longest modules first; a `long_on_connect` test's Spark Connect variant is a long
+    check (`-m long`): the default run tries that behaviour on a classic session only."""
+    items.sort(key=_handed_out_at)  # stable: each module's tests keep their order
     for item in items:
         if item.get_closest_marker("long_on_connect") and _on_connect(item):
             item.add_marker(pytest.mark.long)

@@ -133,6 +133,7 @@ def test_an_elastic_run_over_a_dataframe_is_refused_saying_what_to_do(spark):
         launcher.check_elastic(2, 2)
 
 
+@pytest.mark.long_on_connect
 def test_a_rank_stopped_on_spark_is_killed_with_its_task_and_replaced(spark, tmp_path,
                                                                         monkeypatch):
     """A SIGSTOPped rank cannot be signalled from the driver: its job is cancelled, and the

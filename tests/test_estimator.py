@@ -225,6 +225,7 @@ def test_a_fitted_pipeline_saves_and_loads_with_spark_ml_persistence(spark, tmp_
     assert predictions(loaded, df) == predictions(fitted, df)
 
 
+@pytest.mark.long_on_connect
 def test_a_pipeline_with_an_unfitted_estimator_saves_loads_and_fits_alike(spark, tmp_path):
     df = numbered_rows(spark, 60, 2)
     estimator = noting_estimator(tmp_path, feature_cols=["scaled"], epochs=2, batch_size=5,
@@ -248,6 +249,7 @@ def test_a_pipeline_with_an_unfitted_estimator_saves_loads_and_fits_alike(spark,
     assert predictions(refitted, df) == predictions(fitted, df)
 
 
+@pytest.mark.long  # five fits: each param map on each of two folds, then the best on all
 def test_cross_validation_fits_each_param_map_on_a_copy(spark, tmp_path):
     classic_only(spark, "the copies are made on the driver, the same on either kind of "
                         "session; fits on Connect are the other tests'")

@@ -149,6 +149,7 @@ def test_output_lines_are_attributed_to_their_rank(kernel):
         assert f"[{rank}] WARNING:root:logged by rank {rank}" in out.stderr
 
 
+@pytest.mark.long_on_connect
 def test_a_failing_rank_shows_its_traceback_and_the_next_cell_runs(kernel):
     out = kernel.run("%%horovod -np 2 --quiet\n"
                      "import ddl_magic.torch as hvd\nhvd.init()\n"
@@ -202,6 +203,7 @@ def test_bad_options_say_how_to_write_them(kernel, line, message):
     assert out.error is not None and message in out.error["evalue"]
 
 
+@pytest.mark.long_on_connect
 def test_interrupt_stops_every_rank_and_the_next_cell_works(kernel):
     seen = []
 

@@ -330,8 +330,8 @@ def test_signals_are_only_for_the_pools_own_processes():
         assert os.getpgid(pool.pids[0]) == pool.pids[0] != os.getpgid(0)
 
 
-@pytest.mark.parametrize("master", ['master("local[4]")', 'remote("local[4]")'],
-                         ids=["classic", "connect"])
+@pytest.mark.parametrize("master", ['master("local[4]")', pytest.param(
+    'remote("local[4]")', marks=pytest.mark.long)], ids=["classic", "connect"])  # Connect: long checks
 def test_a_pool_on_spark_is_one_stage_that_keeps_state_and_releases_its_slots(master):
     import shutil
 
