@@ -177,11 +177,20 @@ class DevToolsPage:
         if element is not None:
             # Scrolled into view, then measured after two frames: JupyterLab draws a cell that
             # comes into view on the next frame, and an element shot before that is blank.
-            box = self.evaluate(f"""(async () => {{ const e = {element};
-                e.scrollIntoView({{block: 'start'}});
-                for (let i = 0; i < 2; i++) await new Promise(r => requestAnimationFrame(r));
-                const r = e.getBoundingClientRect();
-                return {{x: r.x, y: r.y, width: r.width, height: r.height}}; }})()""")
+            # On a busy machine the element may still be laid out, or redrawn (a finished run's
+            # view is replaced): found afresh each frame, up to 300 frames (~5 s), until it
+            # takes room (an empty box cannot be shot).
+            box = self.evaluate(f"""(async () => {{ let e = {element}, r = null;
+                for (let i = 0; i < 300 && (i < 3 || !r || !r.width || !r.height); i++) {{
+                    if (i > 0) await new Promise(done => requestAnimationFrame(done));
+                    e = {element};
+                    if (!e) continue;
+                    if (i === 0 || !r || !r.width) e.scrollIntoView({{block: 'start'}});
+                    r = e.getBoundingClientRect(); }}
+                return r ? {{x: r.x, y: r.y, width: r.width, height: r.height}}
+                         : {{x: 0, y: 0, width: 0, height: 0}}; }})()""")
+            if not box["width"] or not box["height"]:
+                raise AssertionError(f"{element} has no size on the page to screenshot: {box}")
             params.update(clip={**box, "scale": 1}, captureBeyondViewport=True)
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", **params)["data"]))
         return path

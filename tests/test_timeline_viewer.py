@@ -531,8 +531,17 @@ def test_a_window_of_a_big_trace_is_drawn_in_detail(tmp_path: Path) -> None:
 
 # Showing it in a notebook.
 
+@pytest.fixture
+def outside_ipython(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No IPython shell in this process, as in a script (one that an earlier test module of the
+    same test process made may still be there)."""
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)
+
+
 def test_show_timeline_takes_a_path_or_a_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], outside_ipython: None
 ) -> None:
     path = hand_made_trace(tmp_path / "t.json")
     for path_or_run in (str(path), SimpleNamespace(timeline_path=path)):
@@ -542,7 +551,7 @@ def test_show_timeline_takes_a_path_or_a_run(
 
 
 def test_show_timeline_prints_who_waited_then_a_table_a_person_reads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], outside_ipython: None
 ) -> None:
     show_timeline(hand_made_trace(tmp_path / "t.json"))
     headline, header, *rows = capsys.readouterr().out.splitlines()
@@ -558,7 +567,7 @@ def test_show_timeline_prints_who_waited_then_a_table_a_person_reads(
 
 
 def test_show_timeline_of_one_rank_or_of_no_events_says_so(
-    tmp_path: Path, horovod_new: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, horovod_new: Path, capsys: pytest.CaptureFixture[str], outside_ipython: None
 ) -> None:
     show_timeline(horovod_new)
     assert capsys.readouterr().out.splitlines()[0] == "rank 0 waited 0.21 ms (61% of its 0.345 ms)."

@@ -249,6 +249,7 @@ def test_a_script_run_with_plain_python_honours_the_setting_too(monkeypatch):
     from ddl_magic.runtime import context
 
     monkeypatch.setenv("DDL_MAGIC_TORCH_PLANE", "gloo")
+    hvd.shutdown()  # a world that an earlier test of this process left would be reused as it is
     hvd.init()
     try:
         assert context.current("test").transport == "gloo"
