@@ -23,6 +23,10 @@ from spark_sessions import no_spark_job_active, sent_by_value
 from test_elastic_spark import assert_trained_as_committed, steps_logged, train_until_whole_again
 from test_spark_launcher import wait_until
 
+# Whichever test runs first also starts the cluster (~45 s alone, twice that under load), then
+# trains, loses a host for up to the peer timeout and grows back: more than the default 120 s.
+pytestmark = pytest.mark.timeout(360)
+
 NP = 4
 MAX_STEPS = 3000  # 0.05 s each: the bound on a run that never grows back
 

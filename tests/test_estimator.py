@@ -250,6 +250,7 @@ def test_a_pipeline_with_an_unfitted_estimator_saves_loads_and_fits_alike(spark,
 
 
 @pytest.mark.long  # five fits: each param map on each of two folds, then the best on all
+@pytest.mark.timeout(300)  # ~55 s alone, twice that beside the other long checks
 def test_cross_validation_fits_each_param_map_on_a_copy(spark, tmp_path):
     classic_only(spark, "the copies are made on the driver, the same on either kind of "
                         "session; fits on Connect are the other tests'")
