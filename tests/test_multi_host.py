@@ -146,7 +146,8 @@ def test_four_ranks_on_two_hosts_are_numbered_by_host_and_train_as_one_process(s
 
 
 def read_share(train):
-    """Where this rank runs, whose process handed it its share, and the ids in the share."""
+    """Where this rank runs, what forked it and whose process that is (the one that handed it
+    its share), and the ids in the share."""
     import socket
 
     import psutil
@@ -156,8 +157,9 @@ def read_share(train):
     hvd.init()
     ids = [int(i) for batch in train.loader(batch_size=10, columns=["id"], drop_last=False)
            for i in batch["id"]]
-    return {"host": socket.gethostname(), "ids": ids,
-            "writer": " ".join(psutil.Process().parent().cmdline())}
+    factory = psutil.Process().parent()
+    return {"host": socket.gethostname(), "ids": ids, "forked_by": " ".join(factory.cmdline()),
+            "writer": " ".join(factory.parent().cmdline())}
 
 
 def test_shares_are_written_on_each_hosts_executor_and_read_by_the_ranks_there(spark):
@@ -171,6 +173,7 @@ def test_shares_are_written_on_each_hosts_executor_and_read_by_the_ranks_there(s
     ranks = run.results
     assert len({rank["host"] for rank in ranks}) == 2
     assert [r.host for r in run.ranks] == [rank["host"] for rank in ranks]
+    assert all("ddl_magic.rank.factory" in rank["forked_by"] for rank in ranks)
     assert all("pyspark" in rank["writer"] for rank in ranks)  # its Spark task, beside it
     assert sorted(i for rank in ranks for i in rank["ids"]) == list(range(404))
 

@@ -238,6 +238,67 @@ def test_a_rank_killed_hard_keeps_its_last_words(spark):
     assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
 
 
+def rank_and_what_forked_it():
+    import psutil
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    factory = psutil.Process().parent()
+    return (hvd.rank(), factory.pid, " ".join(factory.cmdline()),
+            " ".join(factory.parent().cmdline()))
+
+
+def test_a_later_runs_ranks_are_forked_by_the_factory_their_spark_python_worker_kept(spark):
+    classic_only(spark, "Spark Connect gives each job Python workers of its own: no worker "
+                        "outlives a run to keep a factory")
+    first, second = (run_on_spark(rank_and_what_forked_it, 2).results for _ in range(2))
+    for _, _, forked_by, worker in first + second:
+        assert "ddl_magic.rank.factory" in forked_by and "pyspark" in worker
+    # Spark reuses its idle Python workers: the second run's tasks ran where the first's did
+    assert {pid for _, pid, _, _ in first} & {pid for _, pid, _, _ in second}
+
+
+def note_the_process_chain_then_wait(path):
+    import os
+    import threading
+
+    import psutil
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    factory = psutil.Process().parent()
+    with open(f"{path}-{hvd.rank()}.tmp", "w") as note:
+        note.write(f"{os.getpid()} {factory.pid} {factory.ppid()}")
+    os.rename(f"{path}-{hvd.rank()}.tmp", f"{path}-{hvd.rank()}")
+    threading.Event().wait(120)
+
+
+@pytest.mark.long_on_connect
+def test_a_python_worker_that_dies_takes_its_factory_and_its_rank_along(spark, tmp_path):
+    import signal
+
+    notes = str(tmp_path / "chain")
+    outcome = {}
+
+    def run():
+        try:
+            run_on_spark(note_the_process_chain_then_wait, 2, path=notes)
+        except RankFailedError as failure:
+            outcome["failure"] = failure
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    assert wait_until(lambda: os.path.exists(f"{notes}-1"), timeout_s=RUN_TIMEOUT_S)
+    rank, factory, worker = (int(pid) for pid in open(f"{notes}-1").read().split())
+    os.kill(worker, signal.SIGKILL)  # as Spark's end of a killed task, or the OOM killer
+    assert wait_until(lambda: not process_alive(rank) and not process_alive(factory), 10)
+    runner.join(timeout=QUICK_FAILURE_S)
+    assert not runner.is_alive() and outcome["failure"].rank == 1
+    assert wait_until(lambda: no_spark_job_active(), timeout_s=10)
+
+
 def test_a_failed_spark_task_is_reported_as_its_rank_failing(spark, executors_use):
     executors_use("/nonexistent/python3")
     started = time.monotonic()

@@ -7,8 +7,9 @@ and serverless compute) have only the DataFrame API's barrier mode (``mapInArrow
 barrier=True)``), and every run over a DataFrame uses it; a classic session runs a run without
 data as an RDD barrier stage, whose tasks start about a second sooner. How the stage is
 submitted, counted and cancelled is all that differs (`_ClassicJobs`, `_ConnectJobs`). Each task
-starts the same worker bootstrap as a local rank, ``python -m ddl_magic.rank.worker``, as a child
-process, so the rank is isolated from Spark's reused Python worker, and waits for it.
+has its rank forked as a local rank is, by a rank factory (one per Python worker, which Spark
+reuses from task to task, so a rank starts with torch already imported), so the rank is
+isolated from Spark's reused Python worker, and waits for it.
 Rendezvous goes through the driver's control server, not Spark's ``allGather`` (about a
 second per call).
 

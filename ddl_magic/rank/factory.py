@@ -6,7 +6,8 @@ in the background at `%load_ext ddl_magic`). Forking the notebook kernel itself 
 unsafe — CUDA may be initialised there and threads are running — but the factory is a fresh
 process that never touches CUDA and forks from its only Python thread.
 
-The factory talks to its parent over its stdin and stdout, which only that parent holds:
+The factory talks to its parent over its stdin (a Unix socket, so that descriptors can go
+with a request) and its stdout, which only that parent holds:
 
     parent ── ForkRank ──► factory ── os.fork() ──► rank: setsid, cwd, sys.path,
     parent ◄── RankForked ──                          environment, run the worker
@@ -31,16 +32,21 @@ which calls into CUDA, and asks nothing of `torch.cuda` (`is_available`, `device
 its own device (`--gpu` pins `local_rank`'s). `tests/test_rank_factory.py` starts a factory
 with a stub that records every such call and checks that all of them came from ranks.
 
-The factory exits when its stdin closes, that is when its parent exits.
+The factory exits when its stdin closes, that is when its parent exits. Its parent is a
+notebook kernel (`launch/local.py`), or a Spark executor's Python worker (`spark_task.py`):
+there the factory is *tied*: it dies with the worker, and each rank with it, as a rank
+started by the task itself would.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import pickle
 import select
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -55,6 +61,16 @@ from ..wire.channel import FrameBuffer, frame
 # How often the factory reads its ranks' states: a stop is reported this long after it at
 # most, well within the shortest peer timeout (2 s).
 STATE_POLL_S = 0.25
+MAX_FDS_PER_READ = 64  # descriptors that can come with one read of requests
+
+
+def die_with_parent() -> None:
+    """Have Linux SIGKILL this process when the thread that started it ends (elsewhere,
+    nothing: a rank there ends when it loses the driver)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
 
 
 def write_frame(fd: int, message: object) -> None:
@@ -65,18 +81,30 @@ def write_frame(fd: int, message: object) -> None:
 
 
 class FrameReader:
-    """The messages coming up a pipe read in arbitrary pieces."""
+    """The messages coming up a pipe read in arbitrary pieces; on a Unix socket
+    (`with_fds`), also the descriptors sent with them, in the order they came."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, with_fds: bool = False):
         self.fd = fd
         self._frames = FrameBuffer()
+        self._socket = socket.socket(fileno=fd) if with_fds else None
+        self.fds: list[int] = []  # received, not yet taken by a request
 
     def read(self) -> list[object] | None:
         """The complete messages now available, or None at end of file."""
-        chunk = os.read(self.fd, 65536)
+        if self._socket is None:
+            chunk = os.read(self.fd, 65536)
+        else:
+            chunk, fds, _, _ = socket.recv_fds(self._socket, 65536, MAX_FDS_PER_READ)
+            self.fds.extend(fds)
         if not chunk:
             return None
         return [pickle.loads(data) for data in self._frames.feed(chunk)]
+
+    def take_fds(self, count: int) -> list[int]:
+        """The next `count` descriptors received (sent before or with the request)."""
+        taken, self.fds = self.fds[:count], self.fds[count:]
+        return taken
 
 
 @dataclass
@@ -88,22 +116,26 @@ class _RankStream:
     lines: LineSplitter = field(default_factory=LineSplitter)
 
 
-def serve() -> None:
-    """The factory's loop: fork a rank per request, forward its output, report its exit."""
-    import torch  # the point of the factory: imported once, before any fork
+def serve(tied: bool = False) -> None:
+    """The factory's loop: fork a rank per request, forward its output, report its exit.
+    `tied`: each rank is killed when the factory ends (its parent started it tied to itself)."""
+    try:
+        import torch  # the point of the factory: imported once, before any fork
 
-    from . import worker  # noqa: F401
+        from . import worker  # noqa: F401
 
-    # A process's first optimizer costs about 1.5 s: torch.optim imports torch's compiler
-    # stack on first use. Every rank builds one, so pay it here, once.
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+        # A process's first optimizer costs about 1.5 s: torch.optim imports torch's compiler
+        # stack on first use. Every rank builds one, so pay it here, once.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    except ImportError:
+        pass  # (an executor's Python without torch): each rank says so, as its own error
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent to handle
     child_exits_r, child_exits_w = os.pipe()
     os.set_blocking(child_exits_w, False)
     signal.set_wakeup_fd(child_exits_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    requests = FrameReader(0)
+    requests = FrameReader(0, with_fds=True)
     streams: dict[int, _RankStream] = {}  # read end -> whose stream it is
     states: dict[int, ProcessState] = {}  # pid -> what was last reported of each living rank
     oom_kills: dict[int, int] = {}  # pid -> the machine's OOM kills when it was forked
@@ -131,10 +163,14 @@ def serve() -> None:
                 os._exit(0)
             for request in messages:
                 pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
+                handed = requests.take_fds(len(request.fds))
                 kills_before = memory_cap.machine_oom_kills()
                 pid = os.fork()
                 if pid == 0:
-                    _become_rank(request, pipes, child_exits_r, child_exits_w, *streams)
+                    _become_rank(request, pipes, handed, tied, child_exits_r, child_exits_w,
+                                 *streams)
+                for fd in handed:
+                    os.close(fd)  # the rank's now
                 for stream, (read_end, write_end) in pipes.items():
                     os.close(write_end)  # before the next fork: only this rank may hold it
                     os.set_blocking(read_end, False)
@@ -193,12 +229,17 @@ def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessStat
         write_frame(1, RankReaped(pid, code, why))
 
 
-def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_fds: int) -> None:
+def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], handed: list[int],
+                 tied: bool, *factory_fds: int) -> None:
     """In the forked child: become a rank as if freshly started, run it, and exit.
 
-    Its stdout and stderr are the write ends of `pipes`, which the factory reads."""
+    Its stdout and stderr are the write ends of `pipes`, which the factory reads; `handed`
+    are the descriptors that came with the request, open here under the numbers the
+    request gives them (`request.fds`)."""
     code = 1
     try:
+        if tied:
+            die_with_parent()
         os.setsid()  # its own process group: stopping the rank stops what it starts too
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -210,6 +251,7 @@ def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_
             os.close(read_end)
             os.dup2(write_end, fd)
             os.close(write_end)
+        _number_as_asked(handed, request.fds)
         os.chdir(request.cwd)
         sys.path[:] = request.sys_path
         os.environ.clear()
@@ -220,7 +262,7 @@ def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_
         from . import worker
 
         code = worker.run_rank(request.control, request.rank, request.secret,
-                               parent_forwards_output=True)
+                               parent_forwards_output=request.parent_forwards_output)
         atexit._run_exitfuncs()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -231,3 +273,18 @@ def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], *factory_
         sys.stderr.flush()
         os._exit(code)  # never return into the factory's loop
 
+
+
+def _number_as_asked(received: list[int], numbers: tuple[int, ...]) -> None:
+    """Open each received descriptor under its number in `numbers`: first all of them above
+    every number involved, so that placing one never closes another still to be placed."""
+    if not received:
+        return
+    above = max(*received, *numbers) + 1
+    lifted = []
+    for fd in received:
+        lifted.append(fcntl.fcntl(fd, fcntl.F_DUPFD, above))
+        os.close(fd)
+    for fd, number in zip(lifted, numbers):
+        os.dup2(fd, number)  # inheritable: as a subprocess's pass_fds
+        os.close(fd)

@@ -2,16 +2,20 @@
 
 The launcher (`launch/spark.py`) sends `run_rank_task` by value (cloudpickle), so it imports
 what it uses inside: an executor whose Python lacks ddl_magic still runs it and says so. The
-task starts the rank's process (``python -m ddl_magic.rank.worker``), relays what it writes
-and how it ended to the driver (`TaskRelay`), and reports its state every report interval.
+task has its rank forked by the rank factory its Python worker keeps (`rank/factory.py`,
+torch already imported), relays what the rank writes and how it ended to the driver
+(`TaskRelay`), and reports its state every report interval.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 from ..wire.channel import CONNECT_TIMEOUT_S, Channel
 from ..wire.messages import TaskAlive, TaskExited, TaskOutput, TaskStarted
+from .factory_client import RankFactory
 
 
 def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
@@ -19,11 +23,11 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
     """One barrier task (runs on an executor, sent by value): run rank `partitionId` to its end;
     or, with `slot`, the one task of an elastic run's rank job: run the rank in that slot.
 
-    The task owns its rank's process, which dies with the task's Python (Linux: a parent-death
-    signal), so a task Spark kills or cancels leaves no rank behind; every `report_interval`
-    seconds it tells the driver
-    what state the kernel says the process is in (`wire/liveness.py`), from a thread that the
-    rank's own Python cannot starve.
+    The task owns its rank's process, which dies with the task's Python (Linux: parent-death
+    signals, from the worker to its factory to the rank), so a task Spark kills or cancels
+    leaves no rank behind; every `report_interval` seconds it tells the driver what state the
+    kernel says the process is in (`wire/liveness.py`), from a thread that the rank's own
+    Python cannot starve.
 
     With `shares` (the plan of a run given Spark DataFrames, `launch/spark_shares.py`), the
     partition's rows are the rank's shares of them (`ddl_magic.rank.task_shares`). Tells the driver how the rank's process ended (returncode None:
@@ -35,7 +39,6 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
     import importlib.util
     import os
     import socket
-    import subprocess
     import sys
     import threading
 
@@ -59,72 +62,70 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
     except (ImportError, OSError):
         relay = None  # the rank forwards its own output; this task reports in the row it returns
 
-    def die_with_parent():
-        """In the rank's process before it runs: SIGKILL it when this task's thread ends."""
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-
     def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
-        read_end, write_end = os.pipe()
-        env = dict(os.environ, **(extra_env or {}),
-                   DDL_MAGIC_CONTROL=f"{control_address[0]}:{control_address[1]}",
-                   DDL_MAGIC_RANK=str(rank), DDL_MAGIC_SECRET_FD=str(read_end),
-                   PYTHONUNBUFFERED="1")
-        if relay is not None:
-            env["DDL_MAGIC_OUTPUT_FORWARDED"] = "1"
+        from ddl_magic.rank.spark_task import kill_rank, rank_factory_for_this_task
+        from ddl_magic.wire.liveness import process_state
+        from ddl_magic.wire.messages import ForkRank
+
+        env = dict(os.environ, **(extra_env or {}), PYTHONUNBUFFERED="1")
         gpus = task.resources().get("gpu")
         if gpus is not None:  # the GPUs Spark gave this task are the only ones the rank sees
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus.addresses)
-        with os.fdopen(write_end, "wb") as pipe:
+        tail = collections.deque(maxlen=tail_lines)
+        ended: dict = {}
+        exited = threading.Event()
+
+        def on_output(stream, lines):
+            if relay is None:  # what it printed before it could forward its own output
+                tail.extend(text + "\n" for text, _ in lines)
+                return
             try:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "ddl_magic.rank.worker"], env=env,
-                    preexec_fn=die_with_parent,
-                    pass_fds=(read_end, *extra_fds), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE if relay is not None else subprocess.STDOUT)
-            except OSError as exc:
-                return None, f"cannot start {sys.executable} on {host}: {exc}"
+                relay.output(stream, lines)
+            except OSError:
+                pass  # the driver is gone: the rank learns it too, and ends
+
+        def on_exit(returncode, out_of_memory):
+            ended.update(returncode=returncode, out_of_memory=out_of_memory)
+            exited.set()
+
+        factory, own_factory = rank_factory_for_this_task()
+        try:
+            try:
+                pid = factory.fork_rank(
+                    ForkRank(rank, tuple(control_address), secret, env, os.getcwd(),
+                             [os.getcwd(), *sys.path], fds=tuple(extra_fds),
+                             parent_forwards_output=relay is not None),
+                    on_exit, on_output, on_state=lambda state: None)
+            except (OSError, RuntimeError) as exc:
+                return None, f"cannot start a rank on {host} ({sys.executable}): {exc}"
             finally:
-                for fd in (read_end, *extra_fds):
+                for fd in extra_fds:  # the rank's now
                     os.close(fd)
-            pipe.write(secret)
-        if relay is not None:
-            from ddl_magic.wire.output_lines import forward_lines
-
-            def forward(pipe, stream):
-                forward_lines(lambda: pipe.read1(65536), lambda lines: relay.output(stream, lines))
-
-            forwarders = [threading.Thread(target=forward, args=(pipe, stream), daemon=True)
-                          for pipe, stream in ((process.stdout, "stdout"), (process.stderr, "stderr"))]
-            for forwarder in forwarders:
-                forwarder.start()
-            from ddl_magic.wire.liveness import process_state
-
-            def report_liveness():
-                while not process_ended.wait(report_interval):
-                    try:
-                        relay.alive(process_state(process.pid).value)
-                    except OSError:
-                        return  # the driver is gone: the rank learns it too, and ends
-
-            process_ended = threading.Event()
-            threading.Thread(target=report_liveness, daemon=True).start()
-        if while_it_starts is not None:
-            while_it_starts()
-        if relay is not None:
-            returncode = process.wait()
-            process_ended.set()
-            for forwarder in forwarders:  # all it wrote, unless a child of its own lives on
-                forwarder.join(timeout=5)
-            return returncode, ""
-        # The rank forwards its output over the control channel once registered; what arrives
-        # here is what it printed before that (e.g. why it could not connect) or after.
-        tail = collections.deque((line.decode(errors="replace") for line in process.stdout),
-                                 maxlen=tail_lines)
-        return process.wait(), "".join(tail)
+            try:
+                if while_it_starts is not None:
+                    while_it_starts()
+                # Every report interval, tell the driver the state the kernel gives the rank's
+                # process: from this thread, which the rank's own Python cannot starve.
+                reporting = relay is not None
+                while not exited.wait(report_interval):
+                    if not factory.alive():  # killed (it takes its ranks along)
+                        exited.wait(report_interval)
+                        if not exited.is_set():
+                            return -9, f"the process that forked rank {rank} on {host} was killed"
+                    if reporting:
+                        try:
+                            relay.alive(process_state(pid).value)
+                        except OSError:
+                            reporting = False
+            except BaseException:
+                kill_rank(pid)  # the task failed or was stopped: its rank goes with it
+                raise
+        finally:
+            if own_factory:
+                factory.end()
+        if ended["out_of_memory"]:
+            tail.append(ended["out_of_memory"] + "\n")
+        return ended["returncode"], "".join(tail)
 
     try:
         if importlib.util.find_spec("ddl_magic") is None:
@@ -172,6 +173,34 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
                               ("returncode", pyarrow.int64()), ("output", pyarrow.string()),
                               ("reported", pyarrow.bool_())])  # launch/spark.py's TASK_RESULT_SCHEMA
     yield pyarrow.RecordBatch.from_pylist([result], schema=columns)
+
+
+_worker_factory: RankFactory | None = None
+
+
+def rank_factory_for_this_task() -> tuple[RankFactory, bool]:
+    """The rank factory a task forks its rank from, and whether it is the task's own (to end
+    when the task ends).
+
+    Spark reuses an executor's Python workers from task to task (`spark.python.worker.reuse`,
+    the default), so a worker keeps the factory it started: every rank after the first on it
+    starts with torch imported, not in seconds. The factory is tied to the thread that
+    starts it: from the worker's main thread (where Spark runs tasks) it lives as long as the
+    worker; from any other, it is that task's alone."""
+    global _worker_factory
+    if threading.current_thread() is not threading.main_thread():
+        return RankFactory(tied=True), True
+    if _worker_factory is None or not _worker_factory.alive():
+        _worker_factory = RankFactory(tied=True)
+    return _worker_factory, False
+
+
+def kill_rank(pid: int) -> None:
+    """Kill a rank this task forked, and whatever it started (its own process group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class TaskRelay:

@@ -13,16 +13,13 @@ Whether a rank is alive is not this process's to say: whatever owns it (the rank
 Spark task) tells the driver (`liveness.py`), so a rank busy in native code for minutes,
 holding its GIL, is not mistaken for a stopped one.
 
-A Spark task starts it as ``python -m ddl_magic.rank.worker`` with ``DDL_MAGIC_CONTROL``
-(host:port) and ``DDL_MAGIC_RANK`` in the environment and the secret on the pipe
-``DDL_MAGIC_SECRET_FD``; a local rank is forked by the rank factory, which calls `run_rank`
-with the secret it received on its private pipe. Either way the secret never appears in a
-process listing or a log.
+Every rank is forked by a rank factory (`factory.py`: the kernel's for local ranks, an
+executor's Python worker's for a Spark task's), which calls `run_rank` with the secret it
+received on its private socket: the secret never appears in a process listing or a log.
 """
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import os
 import queue
@@ -61,23 +58,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dd
 control: Channel | None = None
 _shipper: "_TimelineShipper | None" = None
 _leaving = threading.Event()  # set once the rank has finished: losing the driver is expected then
-
-
-def main() -> None:
-    address = os.environ["DDL_MAGIC_CONTROL"]
-    host, port = address.rsplit(":", 1)
-    with os.fdopen(int(os.environ["DDL_MAGIC_SECRET_FD"]), "rb") as pipe:
-        secret = pipe.read()
-    # Set by a Spark task that reads this process's output and relays it to the driver.
-    forwarded = os.environ.pop("DDL_MAGIC_OUTPUT_FORWARDED", "") == "1"
-    code = run_rank((host, int(port)), int(os.environ["DDL_MAGIC_RANK"]), secret,
-                    parent_forwards_output=forwarded)
-    # The result is reported: skip the interpreter's slow teardown of torch (seconds under
-    # load), which would only delay the end of the run.
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
@@ -407,10 +387,3 @@ class _ForwardedOutput:
             forward_lines(lambda: pipe.read(65536),
                           lambda lines: self._channel.send(Output(stream, lines)))
 
-
-if __name__ == "__main__":
-    # Run as the module ddl_magic.rank.worker, not as __main__: one copy of this module's state
-    # (the control channel, the timeline shipper), whoever imports it.
-    from ddl_magic.rank import worker
-
-    worker.main()

@@ -340,8 +340,13 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class ForkRank:
-    """Fork a rank and run it as if freshly started, with the kernel's environment, working
-    directory and ``sys.path``; `id` pairs the request with its `RankForked`."""
+    """Fork a rank and run it as if freshly started, with the parent's environment, working
+    directory and ``sys.path``; `id` pairs the request with its `RankForked`.
+
+    `fds`: descriptors the parent hands the rank (a Spark task's share files), sent beside
+    the request and open in the rank under these same numbers. `parent_forwards_output`:
+    the parent relays all the rank writes; else the rank sends its own output to the driver
+    once registered and its parent sees only what came before."""
 
     rank: int
     control: tuple[str, int]  # the driver's control server
@@ -350,6 +355,8 @@ class ForkRank:
     cwd: str
     sys_path: list[str]
     id: int = 0
+    fds: tuple[int, ...] = ()
+    parent_forwards_output: bool = True
 
 
 @dataclass(frozen=True, slots=True)
