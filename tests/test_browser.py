@@ -10,8 +10,10 @@ The test drives Chromium through the Chrome DevTools Protocol (a websocket,
 01 ends with no error or warning box; the run view draws its live timeline lanes while the
 ranks still train, then its status table, its tabs, a tab's lines once clicked, and, after the
 run, the whole timeline in the same figure (one figure per cell, as wide as the cell); and
-`ddl_magic.last_run()` renders as a table. Screenshots (lab_01.png, live_lanes.png,
-run_view.png, run_view_rank_1.png, timeline_cell.png, last_run.png, page.png) land in the
+`ddl_magic.last_run()` renders as a table; after a kernel restart the finished run's view
+shows as it ended, without broken-link icons. Screenshots (lab_01.png, live_lanes.png,
+run_view.png, run_view_rank_1.png, timeline_cell.png, last_run.png,
+run_view_after_restart.png, page.png) land in the
 test's tmp folder; a wait that times out leaves timed_out.png.
 
 The ranks train until the test has seen the live lanes: it then creates a file, and rank 0
@@ -528,6 +530,19 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
         return table.querySelector('th').getBoundingClientRect().left
                >= table.closest('.jp-OutputArea-output').getBoundingClientRect().left; }})()""")
     page.screenshot(tmp_path / "last_run.png", element=f"{report}.closest('.jp-OutputArea')")
+
+    # After a kernel restart the finished run's view stays as it ended: every widget of it is
+    # disconnected, and none shows ipywidgets' red broken-link icon for it.
+    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
+    after_restart = page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
+        const parts = view ? [view, ...view.querySelectorAll('.jupyter-widgets')] : [];
+        const disconnected = parts.filter(part => part.classList.contains('jupyter-widgets-disconnected'));
+        return disconnected.length > 0 && {{ disconnected: disconnected.length,
+            icons: disconnected.filter(part => getComputedStyle(part, '::before').display !== 'none').length,
+            done: view.textContent.includes('done in') }}; }})()""",
+                                  timeout=60, what="the restarted kernel to disconnect the run view")
+    assert after_restart["icons"] == 0 and after_restart["done"], after_restart
+    page.screenshot(tmp_path / "run_view_after_restart.png", element=RUN_VIEW)
     page.screenshot(tmp_path / "page.png")
     assert page.evaluate(WARNING_BOXES) == []
     for name in ("run_view.png", "timeline_cell.png", "live_lanes.png", "last_run.png"):

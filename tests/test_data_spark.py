@@ -103,6 +103,7 @@ def test_a_cell_reads_a_dataframe_and_is_given_another_each_row_once_per_epoch(s
     assert no_spark_job_active()
 
 
+@pytest.mark.long_on_connect  # Spark Connect runs in CI: spark_launcher, estimator, inference
 def test_a_spark_pool_keeps_the_shares_its_tasks_wrote_at_its_start(spark):
     connect_only(spark, "the classic session runs the magic's stage")
     read = ("sorted(sum(hvd.allgather_object([int(i) for b in train.loader(batch_size=8, "

@@ -126,6 +126,7 @@ def test_an_unpicklable_argument_is_named_before_launch():
         ranks_and_sum.distributed(offset=threading.Lock())
 
 
+@pytest.mark.long_on_connect  # Spark Connect runs in CI: spark_launcher, estimator, inference
 def test_remote_runs_the_ranks_as_spark_barrier_tasks(spark):
     with sent_by_value(sys.modules[__name__]):
         results = rank_and_world_size.distributed()

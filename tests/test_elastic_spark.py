@@ -108,6 +108,7 @@ def test_a_killed_rank_is_replaced_by_a_new_task_that_joins_at_a_commit(spark, t
     assert wait_until(no_spark_job_active, timeout_s=30), "a rank's job still holds its slot"
 
 
+@pytest.mark.long_on_connect  # Spark Connect runs in CI: spark_launcher, estimator, inference
 def test_a_non_elastic_spark_run_still_fails_fast(spark, tmp_path):
     from ddl_magic.driver.run_result import RankFailedError
 

@@ -89,6 +89,7 @@ def numbered_rows(spark, rows, partitions):
                     (functions.col("id") % 2).alias("label")))
 
 
+@pytest.mark.long_on_connect  # Spark Connect runs in CI: spark_launcher, estimator, inference
 def test_a_pipeline_with_vector_assembler_trains_iris_as_well_as_spark_mls_mlp(spark):
     connect_only(spark, "on a classic session, lab 1 runs this pipeline in CI "
                         "(test_example_notebooks.py)")

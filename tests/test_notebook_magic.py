@@ -52,6 +52,7 @@ def pids_alive(pids):
     return alive
 
 
+@pytest.mark.long_on_connect  # Spark Connect runs in CI: spark_launcher, estimator, inference
 def test_notebook_names_are_captured_and_rank_0_result_is_the_cell_result(kernel):
     kernel.run("scale = 10\ndef times_scale(x):\n    return x * scale")
     out = kernel.run(

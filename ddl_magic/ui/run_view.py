@@ -46,6 +46,12 @@ from ..driver.run_status import SHOWN_ENDS, RunStatus
 from ..driver.tracebacks import without_machinery_frames
 
 __all__ = ["FAILED_ROW_BACKGROUND", "RunView"]
+FINISHED_CLASS = "ddl-magic-run-finished"
+# After a kernel restart a widget shows a red broken-link icon (ipywidgets' "disconnected"):
+# a finished run's view has nothing left to update, so it stays as it ended, without them.
+FINISHED_STYLE = (f"<style>.{FINISHED_CLASS}.jupyter-widgets-disconnected::before, "
+                  f".{FINISHED_CLASS} .jupyter-widgets-disconnected::before "
+                  "{ display: none; }</style>")
 LAST_LINE_CHARS = 160
 LOG_HEIGHT = "360px"
 LIVE_TIMELINE_INTERVAL_S = 1.0
@@ -247,7 +253,8 @@ class RunView:
             self._make_widgets()  # refreshes
             self._show_widgets()
             return
-        self._banner.value = self._render_banner(now)
+        self._banner.value = self._render_banner(now) + (
+            FINISHED_STYLE if self._finished_at is not None else "")
         self._table.value = self._render_table(now)
         self._failure.value = self._render_failure()
         self._tabs.titles = ("all ranks", *(self._tab_title(record) for record in self._records))
@@ -293,6 +300,7 @@ class RunView:
             self._make_widgets()
             if self._shown_at is not None:
                 self._show_widgets()
+        self._root.add_class(FINISHED_CLASS)
         # The banner says the figure is being drawn, until it is: the cell is busy till then.
         self._drawing_timeline = self.timeline_path is not None or self._live is not None
         self.refresh()
