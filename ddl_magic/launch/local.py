@@ -16,7 +16,7 @@ import sys
 import threading
 
 from ..driver.events import ProcessExited, RankOutput, RankProcessState
-from ..rank.factory_client import RankFactory
+from ..rank.factory_client import RankFactory, signal_rank_group
 from ..wire.messages import ForkRank
 
 _factory: RankFactory | None = None
@@ -153,27 +153,19 @@ class LocalLauncher:
         """Kill the process in the slot of `rank` (stopped, unreachable or hung in an elastic
         run), and wait up to 5 s for its exit to be reported."""
         pid = self._slot_pids[rank]
-        _signal_group(pid, signal.SIGKILL)
+        signal_rank_group(pid, signal.SIGKILL)
         self._exited[pid].wait(5)
 
     def stop(self, grace_s: float = 1.0) -> None:
         """Terminate every rank's process group, kill what remains after `grace_s`."""
         for pid in self._pids:
-            _signal_group(pid, signal.SIGTERM)
-            _signal_group(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once resumed
+            signal_rank_group(pid, signal.SIGTERM)
+            signal_rank_group(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once resumed
         for pid in self._pids:
             if not self._exited[pid].wait(grace_s):
-                _signal_group(pid, signal.SIGKILL)
+                signal_rank_group(pid, signal.SIGKILL)
                 self._exited[pid].wait(5)
 
     @property
     def pids(self) -> list[int]:
         return list(self._pids)
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    """Signal the rank and anything it started (DataLoader workers, subprocesses)."""
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -274,7 +274,6 @@ def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], handed: l
         os._exit(code)  # never return into the factory's loop
 
 
-
 def _number_as_asked(received: list[int], numbers: tuple[int, ...]) -> None:
     """Open each received descriptor under its number in `numbers`: first all of them above
     every number involved, so that placing one never closes another still to be placed."""

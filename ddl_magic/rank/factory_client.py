@@ -133,6 +133,15 @@ class RankFactory:
                     on_exit(message.returncode, message.out_of_memory)
 
 
+def signal_rank_group(pid: int, signum: int) -> None:
+    """Signal a rank a factory forked and anything it started (DataLoader workers,
+    subprocesses): its process group, which it leads (`os.setsid` in the factory)."""
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _resident_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm", "rb") as statm:

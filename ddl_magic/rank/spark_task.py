@@ -9,8 +9,6 @@ torch already imported), relays what the rank writes and how it ended to the dri
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 
 from ..wire.channel import CONNECT_TIMEOUT_S, Channel
@@ -38,6 +36,7 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
     import collections
     import importlib.util
     import os
+    import signal
     import socket
     import sys
     import threading
@@ -63,7 +62,8 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
         relay = None  # the rank forwards its own output; this task reports in the row it returns
 
     def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
-        from ddl_magic.rank.spark_task import kill_rank, rank_factory_for_this_task
+        from ddl_magic.rank.factory_client import signal_rank_group
+        from ddl_magic.rank.spark_task import rank_factory_for_this_task
         from ddl_magic.wire.liveness import process_state
         from ddl_magic.wire.messages import ForkRank
 
@@ -108,17 +108,16 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
                 # process: from this thread, which the rank's own Python cannot starve.
                 reporting = relay is not None
                 while not exited.wait(report_interval):
-                    if not factory.alive():  # killed (it takes its ranks along)
-                        exited.wait(report_interval)
-                        if not exited.is_set():
-                            return -9, f"the process that forked rank {rank} on {host} was killed"
+                    # A killed factory takes its ranks along; their exits are never reported.
+                    if not factory.alive() and not exited.wait(report_interval):
+                        return -9, f"the process that forked rank {rank} on {host} was killed"
                     if reporting:
                         try:
                             relay.alive(process_state(pid).value)
                         except OSError:
                             reporting = False
             except BaseException:
-                kill_rank(pid)  # the task failed or was stopped: its rank goes with it
+                signal_rank_group(pid, signal.SIGKILL)  # the task failed or was stopped: its rank too
                 raise
         finally:
             if own_factory:
@@ -193,14 +192,6 @@ def rank_factory_for_this_task() -> tuple[RankFactory, bool]:
     if _worker_factory is None or not _worker_factory.alive():
         _worker_factory = RankFactory(tied=True)
     return _worker_factory, False
-
-
-def kill_rank(pid: int) -> None:
-    """Kill a rank this task forked, and whatever it started (its own process group)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class TaskRelay:
