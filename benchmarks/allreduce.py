@@ -10,7 +10,7 @@ gloo; ours with ``DDL_MAGIC_TRANSPORT=tcp`` (the TCP ring, as between hosts); ou
 gets it on one host (the variable unset, ``auto``: shared memory). Every rank of ours checks
 that its run uses the transport its side is named after.
 
-Four measurements:
+Five measurements:
 
 1. allreduce (sum, float32, in place) of one tensor per size, on np ranks of each side:
    the slowest rank's median time per call, algbw = bytes / time and busbw = algbw * 2(n-1)/n
@@ -24,7 +24,12 @@ Four measurements:
    torch thread and on one per CPU, at the start and at the end of the run, in GB/s counting
    the bytes read and the bytes written (2 x 256 MiB per copy; the reads a cache does to
    allocate the written lines are not counted). Shared memory moves data by copying it, so
-   the 64 MiB rows give ours-shm's busbw as a fraction of the fastest copy seen.
+   the 64 MiB rows give ours-shm's busbw as a fraction of the fastest copy seen;
+5. the wake-up floor: two processes hand a counter in shared memory back and forth, once
+   sleeping on it (futex, as a shared-memory rank does after its spin) and once spinning. A
+   small allreduce whose ranks sleep pays the first; machines differ by 10x or more here (a
+   virtual machine whose idle CPUs must be woken by the host is slow), so small-tensor rows
+   are comparable only beside it.
 
 With ``--device cuda`` the swept tensors live on the GPU (ranks share GPUs round robin: np 2
 on one GPU goes through CUDA IPC), and a spawned process measures the GPU's floors in the
@@ -40,6 +45,7 @@ the others, and its least disturbed run is reported. Prints tables and writes
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import os
 import socket
@@ -49,6 +55,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import shared_memory
 
 from common import (best_of, format_size, init_rank_using, interleaved, parse_size, print_table, run_gloo,
                     run_ours_with, slowest_rank, spread, summarize, time_iterations, warn_if_busy,
@@ -72,6 +79,7 @@ MEMORY_CEILING_TARGET = 0.70  # issue 40: 64 MiB busbw at least 70 % of that cei
 TCP_MESSAGE_BYTES, TCP_MESSAGES = 64 << 20, 40
 MEMORY_COPY_BYTES, MEMORY_COPIES = 256 << 20, 10
 DEVICE_COPY_TARGET = 0.70  # issue 38: CUDA IPC busbw at 256 MiB, np 2 on one GPU, vs the copy rate
+WAKE_ROUND_TRIPS = 2000
 SPREAD_WARNING = 0.25  # flag a measurement whose middle half spans more than 25 % of its median
 
 
@@ -269,6 +277,74 @@ def print_memory(when: str, measured: dict[str, dict]) -> None:
           f"+ written, fastest of {copies}: " + "; ".join(parts))
 
 
+# ---- the wake-up floor ----------------------------------------------------------------------
+
+def wake_up_round_trips(round_trips: int) -> dict:
+    """Median microseconds per round trip of a counter between this process and a spawned one,
+    each waiting for the other's write by sleeping on the futex, and then by spinning."""
+    found = {}
+    for how in ("sleeping", "spinning"):
+        segment = shared_memory.SharedMemory(create=True, size=8)
+        try:
+            answerer = mp.get_context("spawn").Process(
+                target=_answer, args=(segment.name, round_trips, how), daemon=True)
+            answerer.start()
+            words = (ctypes.c_int32 * 2).from_buffer(segment.buf)
+            try:
+                times = _ping(words, round_trips, how)
+            finally:
+                del words  # the buffer cannot close while a ctypes view holds it
+            answerer.join(timeout=60)
+            found[f"{how}_us"] = statistics.median(times[round_trips // 10:]) * 1e6
+        finally:
+            segment.close()
+            segment.unlink()
+    return found
+
+
+def _ping(words, round_trips: int, how: str) -> list[float]:
+    times = []
+    for turn in range(1, round_trips + 1):
+        started = time.perf_counter()
+        _write(words, 0, turn)
+        _await(words, 1, turn, how)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _answer(name: str, round_trips: int, how: str) -> None:
+    segment = shared_memory.SharedMemory(name=name)
+    words = (ctypes.c_int32 * 2).from_buffer(segment.buf)
+    for turn in range(1, round_trips + 1):
+        _await(words, 0, turn, how)
+        _write(words, 1, turn)
+    del words
+    segment.close()
+
+
+def _write(words, index: int, value: int) -> None:
+    from ddl_magic.runtime.planes import futex
+
+    words[index] = value
+    futex.wake_all(ctypes.addressof(words) + 4 * index)
+
+
+def _await(words, index: int, value: int, how: str) -> None:
+    from ddl_magic.runtime.planes import futex
+
+    deadline = time.monotonic() + 60
+    while words[index] != value:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other process of the wake-up measurement stopped answering")
+        if how == "sleeping":
+            futex.wait(ctypes.addressof(words) + 4 * index, words[index], 1.0)
+
+
+def print_wake_up(floor: dict) -> None:
+    print(f"wake-up floor, a counter between two processes, median round trip: sleeping on a "
+          f"futex {floor['sleeping_us']:.1f} us, spinning {floor['spinning_us']:.1f} us")
+
+
 # ---- GPU floors: the copy rate and NCCL on one rank ---------------------------------------
 
 def cuda_floors(nbytes: int, copies: int) -> dict:
@@ -455,6 +531,8 @@ def main() -> None:
     memory = {"start": measure_memory(args.memory_copies)}
     floors = cuda_floors(MEMORY_COPY_BYTES, args.memory_copies) if args.device == "cuda" else None
     print_memory("at the start", memory["start"])
+    wake_up = wake_up_round_trips(WAKE_ROUND_TRIPS // (5 if args.quick else 1))
+    print_wake_up(wake_up)
     rows = []
     for np in args.np:
         rows += compare_allreduce(np, args.sizes, args.iterations, args.repeats, args.device)
@@ -485,7 +563,7 @@ def main() -> None:
         "tcp_loopback": ceiling,
         "memory_bandwidth": {**memory, "reference_gbps": memory_gbps,
                              "reference": "the fastest copy_, any thread count, start or end"},
-        "allreduce": rows, "small_tensors": small, "cuda_floors": floors,
+        "wake_up_floor": wake_up, "allreduce": rows, "small_tensors": small, "cuda_floors": floors,
         "load_average_before": load_before, "wall_s": time.perf_counter() - started,
     })
     print(f"\nwrote {path} ({time.perf_counter() - started:.0f} s)")
