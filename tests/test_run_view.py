@@ -5,6 +5,7 @@ read the view's ``state()`` and its widgets' values.
 """
 
 import re
+import threading
 import time
 
 import pytest
@@ -262,6 +263,46 @@ def test_the_lanes_are_drawn_once_more_when_the_run_ends():
     assert view.state()["timeline"]["events_drawn"] == 4
 
 
+def test_a_timeline_runs_figure_waits_for_the_thread_that_loads_the_drawing_modules(tmp_path, monkeypatch):
+    """The modules load beside the training, so the figure after the run does not wait for
+    them; if the run ends first, the figure waits for that thread rather than importing the
+    same modules at once."""
+    from ddl_magic.ui import run_view
+
+    order = []
+    released = threading.Event()
+
+    def slow_loading():
+        released.wait(timeout=30)
+        order.append("modules loaded")
+
+    monkeypatch.setattr(run_view, "_prepare_timeline_drawing", slow_loading)
+    monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
+    view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
+    assert "ddl-magic-timeline-drawing" in [thread.name for thread in threading.enumerate()]
+    draw = view.inner._show_lanes
+    view.inner._show_lanes = lambda trace: order.append("figure drawn") or draw(trace)
+    wait = view.inner._drawing_modules_loaded
+    banners = []  # what the banner said when the finished run began to wait
+    view.inner._drawing_modules_loaded = lambda **kw: banners.append(view.widget.children[0].value) or wait(**kw)
+    threading.Timer(0.2, released.set).start()  # the run ends before the modules are loaded
+    view.finish("done")
+    assert order == ["modules loaded", "figure drawn"]
+    assert "done in" in banners[0] and "loading plotly to draw the timeline" in banners[0]
+    assert "plotly" not in view.widget.children[0].value
+
+
+def test_loading_the_drawing_modules_draws_a_figure_once_per_process(monkeypatch):
+    from ddl_magic.ui import run_view
+
+    monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
+    run_view._prepare_timeline_drawing()  # its errors would be silent: the view's imports raise them
+    assert run_view._drawing_prepared.is_set()
+    threads = threading.active_count()
+    make_view(timeline_path="/nonexistent/timeline.json")
+    assert threading.active_count() == threads  # loaded once: no second thread
+
+
 def test_sixteen_ranks_and_many_lines_stay_bounded():
     np, lines_per_rank, max_lines = 16, 10_000, 500
     view = fed(lambda records: RunView(records, "%%horovod -np 16", "/tmp/ddl_magic/run-9",
@@ -336,7 +377,7 @@ def test_the_live_summary_leaves_out_a_kind_no_rank_recorded():
     assert "wait %" in summary_html and "compute %" not in summary_html  # nothing packed: no "–" column
 
 
-def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_path):
+def two_rank_trace(tmp_path):
     from ddl_magic.timeline.columns import TraceFiles
 
     path = tmp_path / "timeline.json"
@@ -344,6 +385,14 @@ def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_pat
         for rank in range(2):
             trace.add_rank(rank, f"node-{rank}")
             trace.write(rank, step_events(0, 100.0 + 500.0 * rank))
+    return path
+
+
+def test_a_finished_timeline_run_draws_the_whole_trace_in_its_one_figure(tmp_path):
+    from ddl_magic.ui import run_view
+
+    run_view._prepare_timeline_drawing()  # loaded, as in a kernel after its first timeline run
+    path = two_rank_trace(tmp_path)
     view = make_view(timeline_interval_s=0.0, timeline_share=1.0, timeline_path=str(path))
     view.handle(TimelineBatch(rank=0, events=step_events(0, 100.0)))
     view.refresh()

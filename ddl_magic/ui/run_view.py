@@ -32,6 +32,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ LIVE_TIMELINE_SHARE = 0.02
 (the driver shares its cores with the ranks) a slow redraw waits longer for the next..."""
 LIVE_TIMELINE_LONGEST_WAIT_S = 10.0
 """...but never longer than this."""
+DRAWING_MODULES_WAIT_S = 120.0
+"""The longest the view waits for its thread that loads the drawing modules (seconds alone)."""
 
 
 class LogLine:
@@ -171,6 +174,10 @@ class RunView:
         self.timeline_text = ""
         """The finished run's timeline summary as text (for frontends without widgets)."""
         self._display_handle = None
+        self._drawing_modules: threading.Thread | None = None
+        self._batches_aside: list[TimelineBatch] = []  # while the drawing modules load
+        if timeline_path is not None:
+            self._load_drawing_modules()
         if widget_after_s is None:
             self._make_widgets()
 
@@ -267,6 +274,7 @@ class RunView:
         if self._all_changed:
             self._all_tab.value = self._render_log(self._all, self._log_note(self._all, None), labelled=True)
             self._all_changed = False
+        self._take_batches_aside()
         if self._live is not None and now >= self._live_drawn[1]:
             self._draw_timeline(now)
 
@@ -302,7 +310,8 @@ class RunView:
                 self._show_widgets()
         self._root.add_class(FINISHED_CLASS)
         # The banner says the figure is being drawn, until it is: the cell is busy till then.
-        self._drawing_timeline = self.timeline_path is not None or self._live is not None
+        self._drawing_timeline = (self.timeline_path is not None or self._live is not None
+                                  or bool(self._batches_aside))
         self.refresh()
         self._show_final_timeline()
         self._drawing_timeline = False
@@ -383,13 +392,46 @@ class RunView:
             },
         }
 
+    def _load_drawing_modules(self) -> None:
+        """Load what drawing the timeline needs in a thread of its own, while the ranks train.
+
+        The first figure of a kernel imports plotly, which imports nbformat and jsonschema
+        (seconds on some machines: jsonschema's format checkers build grammars), then loads
+        its validators and template. Done after the run, the cell looked finished for
+        seconds before it was. Until the thread is done this view imports none of those
+        modules itself (two threads importing the same modules at once can leave one with a
+        half-initialised module): it keeps the timeline's batches aside, and the finished run
+        waits for the thread before its figure.
+        """
+        if not _drawing_prepared.is_set():
+            self._drawing_modules = threading.Thread(target=_prepare_timeline_drawing, daemon=True,
+                                                     name="ddl-magic-timeline-drawing")
+            self._drawing_modules.start()
+
+    def _drawing_modules_loaded(self, wait_s: float = 0.0) -> bool:
+        if self._drawing_modules is not None:
+            self._drawing_modules.join(timeout=wait_s)
+            if self._drawing_modules.is_alive():
+                return False
+            self._drawing_modules = None
+        return True
+
     def _add_timeline(self, batch: TimelineBatch) -> None:
+        self._rank(batch.rank)
+        self._batches_aside.append(batch)
+        self._take_batches_aside()
+
+    def _take_batches_aside(self) -> None:
+        """Hand the timeline's batches to the live timeline, once the drawing modules are loaded."""
+        if not self._batches_aside or not self._drawing_modules_loaded():
+            return
         if self._live is None:
             from ..timeline.live import LiveTimeline
 
             self._live = LiveTimeline()
-        self._rank(batch.rank)
-        self._live.add(batch.rank, batch.events)
+        for batch in self._batches_aside:
+            self._live.add(batch.rank, batch.events)
+        self._batches_aside.clear()
 
     def _draw_timeline(self, now: float) -> None:
         """Redraw the lanes and the running summary, if a batch arrived since the last time.
@@ -427,6 +469,8 @@ class RunView:
     def _show_final_timeline(self) -> None:
         """The run is over: the figure and the summary become the whole trace's, read from
         its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
+        self._drawing_modules_loaded(wait_s=DRAWING_MODULES_WAIT_S)
+        self._take_batches_aside()
         from .lanes_svg import lanes_svg
 
         trace = None
@@ -506,7 +550,11 @@ class RunView:
         if self._outcome is RunStatus.RUNNING:
             done = sum(record.status is RankStatus.DONE for record in self._records)
             return f"running · {done}/{self.np} done · {elapsed}"
-        drawing = " · drawing the timeline…" if self._drawing_timeline else ""
+        drawing = ""
+        if self._drawing_timeline:
+            loading = self._drawing_modules is not None and self._drawing_modules.is_alive()
+            drawing = " · loading plotly to draw the timeline (once a kernel)…" if loading else \
+                " · drawing the timeline…"
         if self._outcome is RunStatus.DONE:
             return f"done in {elapsed}{drawing}"
         return f"{self._outcome} after {elapsed}{drawing}"
@@ -574,6 +622,22 @@ class RunView:
             f'display:flex;flex-direction:column-reverse">'
             f'<pre style="margin:0;{MONOSPACE}">{html.escape(text)}</pre></div>'
         )
+
+
+_drawing_prepared = threading.Event()
+
+
+def _prepare_timeline_drawing() -> None:
+    """Import the modules drawing a timeline takes and draw one figure to throw away."""
+    try:
+        from ..timeline import analysis, live, load  # noqa: F401
+        from . import lanes_svg  # noqa: F401
+        from .timeline_widget import warm_up
+
+        warm_up()
+    except Exception:  # noqa: BLE001 - the view's own import then raises it where it is shown
+        return
+    _drawing_prepared.set()
 
 
 def _shortened(line: str) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 
+from ..timeline.live import LiveTimeline
 from ..timeline.trace import TraceData
 from .timeline_figure import DEFAULT_MAX_SHAPES, figure_parts
 
@@ -120,3 +121,12 @@ class ZoomableTimeline:
             if 0 <= int(y) < len(rows):
                 self.on_rank_click(rows[int(y)][0])
                 return
+
+
+def warm_up() -> None:
+    """Build a one-event figure and throw it away: a process's first figure waits for plotly
+    to load its validators and its default template (tenths of a second), so that the figure
+    a user waits for does not."""
+    live = LiveTimeline()
+    live.add(0, [("allreduce", "warm-up", 0.0, 1.0, None)])
+    go.Figure(*figure_parts(live.trace()))
