@@ -278,8 +278,11 @@ def test_a_timeline_runs_figure_waits_for_the_thread_that_loads_the_drawing_modu
 
     monkeypatch.setattr(run_view, "_prepare_timeline_drawing", slow_loading)
     monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
+    monkeypatch.setattr(run_view, "_drawing_thread", None)
     view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
     assert "ddl-magic-timeline-drawing" in [thread.name for thread in threading.enumerate()]
+    # The next run's view, while they still load, waits for the same thread: no second importer.
+    assert make_view(timeline_path=str(tmp_path / "next.json")).inner._drawing_modules is view.inner._drawing_modules
     draw = view.inner._show_lanes
     view.inner._show_lanes = lambda trace: order.append("figure drawn") or draw(trace)
     wait = view.inner._drawing_modules_loaded

@@ -403,10 +403,16 @@ class RunView:
         half-initialised module): it keeps the timeline's batches aside, and the finished run
         waits for the thread before its figure.
         """
-        if not _drawing_prepared.is_set():
-            self._drawing_modules = threading.Thread(target=_prepare_timeline_drawing, daemon=True,
-                                                     name="ddl-magic-timeline-drawing")
-            self._drawing_modules.start()
+        global _drawing_thread
+        if _drawing_prepared.is_set():
+            return
+        # One thread a kernel: a view whose run was interrupted while it loaded leaves it
+        # running, and the next run's view waits for the same one.
+        if _drawing_thread is None or not _drawing_thread.is_alive():
+            _drawing_thread = threading.Thread(target=_prepare_timeline_drawing, daemon=True,
+                                               name="ddl-magic-timeline-drawing")
+            _drawing_thread.start()
+        self._drawing_modules = _drawing_thread
 
     def _drawing_modules_loaded(self, wait_s: float = 0.0) -> bool:
         if self._drawing_modules is not None:
@@ -625,6 +631,7 @@ class RunView:
 
 
 _drawing_prepared = threading.Event()
+_drawing_thread: threading.Thread | None = None
 
 
 def _prepare_timeline_drawing() -> None:
