@@ -4,8 +4,8 @@ Mosaic Streaming, side by side in one run.
     python benchmarks/data.py                       # 1,000,000 rows (long on 2 cores)
     python benchmarks/data.py --rows 100000         # a quicker look
     python benchmarks/data.py --memory-rows 10000000   # adds the 10M-row memory row (very long:
-                                                       # 31 GB of rows, cached by Spark and
-                                                       # written again as shares: ~70 GB free disk)
+                                                       # 31 GB of rows as shares: 29 GB of disk
+                                                       # were used at once here, ~5 minutes)
     python benchmarks/data.py --no-peers            # ours only
 
 The same DataFrame on `local[4]` for every side (`data_frame.py`: a 784-float32 vector and
