@@ -413,15 +413,17 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
                     r"pool: [\d.]+ after 30 epochs, ([\d.]+) after 150"):
         found = re.search(learned, printed)
         assert found and float(found.group(1)) >= 0.9, (learned, printed[-2000:])
-    # Its runs finished: every run view says so, and the report cell's numbers are there.
-    finished = browser.evaluate("""[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')]
-        .filter(box => [...box.querySelectorAll('th')].some(th => th.textContent === 'status'))
-        .map(box => box.textContent.includes('done in'))""")
+    # Its runs finished: every run view says so, and the report cell's numbers are there. A
+    # run view is the live widgets, or, for a run over before they were due, its final report.
+    run_views = ("[...document.querySelectorAll('.jp-OutputArea-output')].filter(output => "
+                 "[...output.querySelectorAll('th')].some(th => th.textContent === 'status'))")
+    finished = browser.evaluate(f"""{run_views}.map(view => [view.textContent.includes('done in'),
+                                                          !!view.querySelector('.widget-vbox')])""")
     # the two one-shot runs, then Part 3½'s pool cells (the set-up, two trainings, two evaluations)
-    assert finished == [True] * 7, finished
+    assert [done for done, _ in finished] == [True] * 7, finished
+    assert finished[0][1], finished  # the timeline run: the live view, with its lanes
     # A pool cell's run view: its title says so, and both ranks trained on from where they were.
-    pool_view = ("[...document.querySelectorAll('.jp-OutputArea-output .widget-vbox')].filter(box => "
-                 "[...box.querySelectorAll('th')].some(th => th.textContent === 'status'))[4]")
+    pool_view = f"{run_views}[4]"
     shown = browser.evaluate(f"(() => {{ const view = {pool_view}; view.scrollIntoView(); "
                              "return view.textContent; })()")
     assert "(pool)" in shown and "150 epochs" in shown, shown

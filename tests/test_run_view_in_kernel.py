@@ -72,7 +72,9 @@ def notebook(tmp_path_factory):
     nb.cells = [nbformat.v4.new_code_cell(source, id=name) for name, source in CELLS.items()]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("DDL_MAGIC_DISPLAY", raising=False)  # the widget view, not the text one
+        # The widget view from each run's first moment: these cells end before its widgets
+        # would be made otherwise (a short run shows its final report instead).
+        patch.setenv("DDL_MAGIC_DISPLAY", "widgets")
         NotebookClient(nb, kernel_name="python3", store_widget_state=True, allow_errors=True,
                        timeout=120, resources={"metadata": {"path": str(folder)}}).execute()
     nbformat.write(nb, folder / "executed.ipynb")  # kept for a look when a test fails

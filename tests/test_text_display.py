@@ -10,7 +10,7 @@ import pytest
 from ddl_magic.driver.events import FailureKind, RankFailed, RankFinished, RankOutput, RankStarted, TimelineBatch
 from ddl_magic.driver.records import new_records
 from ddl_magic.driver.text_display import TextDisplay
-from ddl_magic.frontends.options import make_display
+from ddl_magic.frontends.options import RUN_VIEW_WIDGETS_AFTER_S, make_display
 from displays import fed
 from ddl_magic.ui.run_view import RunView
 from ddl_magic.driver.text_display import TIMELINE_SUMMARY_INTERVAL_S
@@ -168,8 +168,11 @@ def test_make_display_gives_text_outside_a_kernel(monkeypatch):
 def test_make_display_gives_the_run_view_in_a_kernel_unless_text_is_asked_for(monkeypatch):
     monkeypatch.setattr("IPython.get_ipython", lambda: FakeKernelShell())
     monkeypatch.delenv("DDL_MAGIC_DISPLAY", raising=False)
-    assert isinstance(make_display(new_records(2)), RunView)
+    view = make_display(new_records(2))
+    assert isinstance(view, RunView) and view.widget_after_s == RUN_VIEW_WIDGETS_AFTER_S
     assert isinstance(make_display(new_records(2), quiet=True), TextDisplay)
+    monkeypatch.setenv("DDL_MAGIC_DISPLAY", "widgets")  # the widgets from the run's first moment
+    assert make_display(new_records(2)).widget_after_s is None
     monkeypatch.setenv("DDL_MAGIC_DISPLAY", "text")
     assert isinstance(make_display(new_records(2)), TextDisplay)
     monkeypatch.setenv("DDL_MAGIC_DISPLAY", "fancy")

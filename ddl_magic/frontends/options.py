@@ -39,6 +39,9 @@ from ..launch.local import LocalLauncher
 from ..launch.shares import RunData
 
 DISPLAY_ENV = "DDL_MAGIC_DISPLAY"
+RUN_VIEW_WIDGETS_AFTER_S = 0.5
+"""A run that ends sooner shows its final report (a table and the logs, as HTML and text)
+instead of widgets: a dozen widget models cost a short pool cell more than its ranks do."""
 
 
 class HorovodUsageError(ValueError):
@@ -203,8 +206,11 @@ def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str |
     ``ranks`` is the run's list of `RankRecord`, which the driver keeps and the display
     renders.
 
-    Set ``DDL_MAGIC_DISPLAY=text`` to get the text display in a kernel too (frontends that do
-    not render widgets). ``quiet`` prints only failures and the closing line, in any setting.
+    The run view makes its widgets once the run has lasted ``RUN_VIEW_WIDGETS_AFTER_S``; a
+    shorter run shows its final report. Set ``DDL_MAGIC_DISPLAY=widgets`` for the widgets
+    from a run's first moment, ``DDL_MAGIC_DISPLAY=text`` for the text display in a kernel too
+    (frontends that do not render widgets). ``quiet`` prints only failures and the closing
+    line, in any setting.
     ``timeline_path``, for a run that records one, is where the run view reads the finished
     run's timeline from, to draw it in its own figure.
 
@@ -217,17 +223,24 @@ def make_display(ranks: list[RankRecord], *, quiet: bool = False, log_dir: str |
     if shows_run_view():
         from ..ui.run_view import RunView  # ipywidgets load only where a widget is shown
 
-        return RunView(ranks, title, log_dir, timeline_path=timeline_path)
+        at_once = _display_choice() == "widgets"
+        return RunView(ranks, title, log_dir, timeline_path=timeline_path,
+                       widget_after_s=None if at_once else RUN_VIEW_WIDGETS_AFTER_S)
     return TextDisplay(ranks, log_dir=log_dir)
 
 
 def shows_run_view() -> bool:
     """Whether a (not quiet) run shows as the widget run view here, which draws the run's
     timeline itself: in a Jupyter kernel, unless ``DDL_MAGIC_DISPLAY=text``."""
+    return _display_choice() != "text" and _in_jupyter_kernel()
+
+
+def _display_choice() -> str:
     choice = os.environ.get(DISPLAY_ENV, "")
-    if choice not in ("", "text"):
-        raise ValueError(f"{DISPLAY_ENV}={choice!r} is not understood: set it to 'text' or unset it")
-    return choice != "text" and _in_jupyter_kernel()
+    if choice not in ("", "text", "widgets"):
+        raise ValueError(f"{DISPLAY_ENV}={choice!r} is not understood: set it to 'text' or "
+                         "'widgets', or unset it")
+    return choice
 
 
 def _in_jupyter_kernel() -> bool:

@@ -23,8 +23,8 @@ text a frontend without widgets shows is the view's own report, not ipywidgets' 
 every trait. With ``widget_after_s`` (tqdm's ``delay``), no widget is made until the run
 has lasted that long: a run that ends sooner shows its final report as HTML and text (what
 a saved notebook shows of any run, without tabs); a longer one, or one with a timeline,
-gets the full view. No front-end asks for it yet: the labs' browser test expects every
-pool cell to show the widget view.
+gets the full view. The front-ends ask for half a second
+(`frontends/options.RUN_VIEW_WIDGETS_AFTER_S`): most pool cells end sooner.
 """
 
 from __future__ import annotations
