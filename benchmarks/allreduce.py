@@ -57,6 +57,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import shared_memory
 
+from ddl_magic.runtime.planes import futex
+
 from common import (best_of, format_size, init_rank_using, interleaved, parse_size, print_table, run_gloo,
                     run_ours_with, slowest_rank, spread, summarize, time_iterations, warn_if_busy,
                     write_results)
@@ -323,15 +325,11 @@ def _answer(name: str, round_trips: int, how: str) -> None:
 
 
 def _write(words, index: int, value: int) -> None:
-    from ddl_magic.runtime.planes import futex
-
     words[index] = value
     futex.wake_all(ctypes.addressof(words) + 4 * index)
 
 
 def _await(words, index: int, value: int, how: str) -> None:
-    from ddl_magic.runtime.planes import futex
-
     deadline = time.monotonic() + 60
     while words[index] != value:
         if time.monotonic() > deadline:

@@ -310,8 +310,7 @@ class RunView:
                 self._show_widgets()
         self._root.add_class(FINISHED_CLASS)
         # The banner says the figure is being drawn, until it is: the cell is busy till then.
-        self._drawing_timeline = (self.timeline_path is not None or self._live is not None
-                                  or bool(self._batches_aside))
+        self._drawing_timeline = self.timeline_path is not None or self._live is not None
         self.refresh()
         self._show_final_timeline()
         self._drawing_timeline = False
