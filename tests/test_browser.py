@@ -452,14 +452,19 @@ def test_jupyterlab_shows_the_run_view_the_timeline_and_last_run(browser, jupyte
     nbformat.write(notebook, served / "run.ipynb")
     open_and_run_all(page, f"{base}/lab/tree/run.ipynb?token={token}", "run.ipynb", len(notebook.cells))
 
-    # While the ranks train: the run view's live lanes, a row per (rank, lane), with bars.
+    # While the ranks train: the run view's live lanes, a row per (rank, lane), with bars. Each
+    # rank sends its events on its own clock, so the first figure may hold one rank's lanes:
+    # wait for both ranks' shared-memory lanes.
     live = page.wait_for(f"""(() => {{ const view = {RUN_VIEW};
         const plot = view && view.querySelector('.js-plotly-plot');
+        const rows = plot ? [...plot.querySelectorAll('.ytick text')].map(t => t.textContent) : [];
+        const lane = rank => rows.some(row => row.startsWith(`rank ${{rank}} (`)
+                                              && row.includes('shared_memory'));
         return !!plot && plot.querySelectorAll('.bars path').length > 0
             && view.textContent.includes('running') && view.textContent.includes('timeline so far')
-            && {{rows: [...plot.querySelectorAll('.ytick text')].map(t => t.textContent)}}; }})()""",
-                         timeout=110, what="the run view to draw live lanes while the run trains")
-    assert any(row.startswith("rank 0 (") and "shared_memory" in row for row in live["rows"]), live
+            && lane(0) && lane(1) && {{rows}}; }})()""",
+                         timeout=110, what="the run view to draw both ranks' live lanes while the run trains")
+    assert all(row.startswith(("rank 0 (", "rank 1 (")) for row in live["rows"]), live
     page.screenshot(tmp_path / "live_lanes.png", element=RUN_VIEW)
     stop_file.touch()
 
