@@ -45,6 +45,7 @@ names it.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
 import threading
@@ -187,10 +188,13 @@ def _accept_expected(listener: socket.socket, secret: bytes, expected: set, acce
     """Accept until every expected (purpose, rank) connection has proved the secret.
 
     Each handshake runs on its own thread, so a stranger that connects and says nothing
-    cannot hold up the neighbours queued behind it.
+    cannot hold up the neighbours queued behind it. The handshake that completes the set
+    wakes this loop at once: `connect_ring` waits for it to end (the listener serves the
+    next ring too), and every ring of a run starts with this wait.
     """
     lock = threading.Lock()
     complete = threading.Event()
+    wake_loop, wake = socket.socketpair()
 
     def authenticate(sock: socket.socket) -> None:
         try:
@@ -213,17 +217,26 @@ def _accept_expected(listener: socket.socket, secret: bytes, expected: set, acce
                 accepted[(purpose, rank)] = channel
                 if expected <= accepted.keys():
                     complete.set()
+                    if wake.fileno() != -1:  # (closed: the loop already gave up at the deadline)
+                        wake.send(b"!")
                 return
         channel.close()
 
-    listener.settimeout(0.05)  # bounds each wait so the loop sees `complete` and the deadline
-    while not complete.is_set() and time.monotonic() < deadline:
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            continue
-        threading.Thread(target=authenticate, args=(sock,), daemon=True).start()
-    complete.wait(max(0.0, deadline - time.monotonic()))
+    listener.settimeout(0.05)  # an accept after `select` said ready cannot block for long
+    try:
+        while not complete.is_set() and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([listener, wake_loop], [], [], left)
+            if listener not in ready:
+                continue
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, socket.timeout):
+                continue  # the connection was reset before we took it
+            threading.Thread(target=authenticate, args=(sock,), daemon=True).start()
+    finally:
+        with lock:  # no handshake is between `complete.set()` and its wake-up
+            wake_loop.close()
+            wake.close()
 
 
 # ---- shared memory: the ranks of one host ----------------------------------------------------
