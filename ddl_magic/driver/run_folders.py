@@ -87,7 +87,9 @@ def prune_run_folders(runs_dir: str, now: float | None = None) -> list[str]:
         return []
     now = time.time() if now is None else now
     removed = []
-    for _, name in runs[:max(len(runs) - (keep - 1), 0)]:
+    for started, name in runs[:max(len(runs) - (keep - 1), 0)]:
+        if now - _started_at(started) < RECENT_S:
+            break  # this run and every later one began in the last minutes: none is due
         path = os.path.join(runs_dir, name)
         try:
             if now - _last_written(path) < RECENT_S or _held(path):
@@ -97,6 +99,11 @@ def prune_run_folders(runs_dir: str, now: float | None = None) -> list[str]:
             continue  # another kernel removed it, or is still writing there: leave it
         removed.append(path)
     return removed
+
+
+def _started_at(started: str) -> float:
+    """When a run began, from its id's local time ("20260101-120000-…"), to the second."""
+    return time.mktime(time.strptime(started[:15], "%Y%m%d-%H%M%S"))
 
 
 def _held(folder: str) -> bool:
