@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ddl_magic.rank.factory import SPARE_NAME
 from two_host_cluster import TwoHostCluster, Unavailable
 
 pytest_plugins = ["pytester"]  # test_cleanup.py runs a test session inside a test
@@ -157,7 +158,7 @@ def no_process_outlives_its_test():
     """Whatever a test starts — ddlrun, ranks, a kernel — is gone when it ends, pass or fail.
 
     What outlives its test on purpose is left alone: a rank factory (one per driver process,
-    kept warm), Spark's JVM and its Python workers, multiprocessing's helpers. Anything else still running
+    kept warm) and its spares, Spark's JVM and its Python workers, multiprocessing's helpers. Anything else still running
     `LEFTOVER_GRACE_S` after the test is killed with its whole process tree, and the test
     errors, naming it: a leak found, not hidden.
     """
@@ -168,6 +169,7 @@ def no_process_outlives_its_test():
     leftovers = _new_processes(before)
     if leftovers:
         _, alive = psutil.wait_procs(leftovers, timeout=LEFTOVER_GRACE_S)
+        alive = [p for p in alive if not _is_spare(p)]  # (one just forked had no name yet)
         if alive:
             named = [f"{p.pid} {_command(p)[:120]}" for p in alive]
             for process in alive:
@@ -189,10 +191,21 @@ def _new_processes(before: set[int]) -> list:
                 continue
             if _FACTORY_COMMAND in command and _FACTORY_COMMAND not in _command(process.parent()):
                 continue  # a rank factory; its children (same command line) are ranks
+            if _is_spare(process):
+                continue  # a factory's spare, forked ahead of the next run's ranks
             new.append(process)
         except psutil.NoSuchProcess:
             continue
     return new
+
+
+def _is_spare(process) -> bool:
+    import psutil
+
+    try:
+        return _FACTORY_COMMAND in _command(process) and process.name() == SPARE_NAME
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _command(process) -> str:

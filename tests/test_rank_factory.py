@@ -2,8 +2,10 @@
 factory that died is replaced."""
 
 import os
+import time
 
 from ddl_magic.launch import local
+from ddl_magic.rank.factory import SPARE_NAME
 from ranks import run_on_ranks
 
 CUDA_RECORDING_STUB = '''"""A CUDA-free torch.cuda: each call that would initialise CUDA is recorded
@@ -83,3 +85,76 @@ def test_a_factory_that_died_is_replaced_by_the_next_run():
     results = run_on_ranks(rank_and_pid, 2)
     assert [rank for rank, _, _ in results] == [0, 1]
     assert local.rank_factory() is not dead
+
+
+# ---- spares: ranks forked ahead of the next run's requests --------------------------------
+
+def spares_of(factory) -> list:
+    import psutil
+
+    return [child for child in psutil.Process(factory._process.pid).children()
+            if child.name() == SPARE_NAME]
+
+
+def wait_for_spares(factory, count: int, timeout_s: float = 30) -> list:
+    """The factory's spares, once it has `count` of them (it forks them while idle)."""
+    deadline = time.monotonic() + timeout_s
+    while len(spares := spares_of(factory)) < count:
+        assert time.monotonic() < deadline, f"the factory has {len(spares)} spares, not {count}"
+        time.sleep(0.05)  # polling the process table: nothing to wait on
+    return spares
+
+
+def test_after_a_run_the_factory_keeps_as_many_spares_and_the_next_run_s_ranks_are_them():
+    factory = local.rank_factory()
+    run_on_ranks(rank_and_pid, 3)
+    spares = wait_for_spares(factory, 3)
+    assert len(spares) == 3
+    results = run_on_ranks(rank_and_pid, 3)
+    assert {pid for _, pid, _ in results} == {spare.pid for spare in spares}
+    assert {parent for _, _, parent in results} == {factory._process.pid}
+
+
+def open_descriptors() -> list:
+    import os
+
+    return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+
+def test_a_spare_holds_nothing_of_the_factory_and_a_rank_made_of_it_is_named_as_any_rank():
+    import psutil
+
+    factory = local.rank_factory()
+    run_on_ranks(rank_and_pid, 2)
+    spare = wait_for_spares(factory, 2)[0]
+    # stdin, its stdout and stderr pipes, the socket its request comes on: nothing else (no
+    # other spare's socket, which would keep that spare alive after the factory)
+    assert len(spare.open_files()) == 0 and spare.num_fds() == 4
+    assert {spare.terminal()} == {None} and os.getsid(spare.pid) == spare.pid  # its own session
+    ranks = run_on_ranks(lambda: __import__("psutil").Process().name(), 2)
+    assert SPARE_NAME not in ranks and len(set(ranks)) == 1
+    assert not psutil.pid_exists(spare.pid) or spare.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_spare_killed_while_it_waits_is_not_a_rank_s_exit_and_runs_go_on():
+    import psutil
+
+    factory = local.rank_factory()
+    run_on_ranks(rank_and_pid, 2)
+    spares = wait_for_spares(factory, 2)
+    for spare in spares:
+        spare.kill()
+    psutil.wait_procs(spares, timeout=10)
+    results = run_on_ranks(rank_and_pid, 2)
+    assert [rank for rank, _, _ in results] == [0, 1]
+
+
+def test_spares_end_with_their_factory():
+    import psutil
+
+    factory = local.rank_factory()
+    run_on_ranks(rank_and_pid, 2)
+    spares = wait_for_spares(factory, 2)
+    factory.end()
+    gone, alive = psutil.wait_procs(spares, timeout=10)
+    assert alive == []

@@ -15,6 +15,14 @@ with a request) and its stdout, which only that parent holds:
     parent ◄── RankState ── (when the kernel's word on the rank changes: running, stopped)
     parent ◄── RankReaped ── (when the factory reaps a rank, after all it wrote)
 
+Forking this process (torch imported, ~400 MB resident) takes about 10 ms on a small VM, and
+a run's ranks were forked one after another on the way to its first step. So while no rank
+of its own runs, the factory forks *spares* ahead of the next requests, as many as its last
+busy spell had ranks at once (`MAX_SPARES` at most): each has already left the factory (own
+session, own stdout and stderr pipes) and waits on a socket for the request that makes it a
+rank; a request is then answered at once. Spares are named `ddl-spare` (`ps`, `top`), hold
+no descriptor of a run, and exit when the factory does.
+
 The factory owns each rank's output: a rank's stdout and stderr are pipes whose read ends
 only the factory holds, so whatever the rank wrote before it died (a segfault, the OOM
 killer, SIGKILL, `os._exit`) is read and sent on, and a rank's exit is reported only after
@@ -62,6 +70,8 @@ from ..wire.channel import FrameBuffer, frame
 # most, well within the shortest peer timeout (2 s).
 STATE_POLL_S = 0.25
 MAX_FDS_PER_READ = 64  # descriptors that can come with one read of requests
+MAX_SPARES = 16  # processes forked ahead of requests, at most
+SPARE_NAME = "ddl-spare"  # a spare's process name, until a request makes it a rank
 
 
 def die_with_parent() -> None:
@@ -101,6 +111,12 @@ class FrameReader:
             return None
         return [pickle.loads(data) for data in self._frames.feed(chunk)]
 
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        else:
+            os.close(self.fd)
+
     def take_fds(self, count: int) -> list[int]:
         """The next `count` descriptors received (sent before or with the request)."""
         taken, self.fds = self.fds[:count], self.fds[count:]
@@ -116,6 +132,31 @@ class _RankStream:
     lines: LineSplitter = field(default_factory=LineSplitter)
 
 
+@dataclass
+class _Spare:
+    """A process forked ahead of a request: it waits on `link` for the request that makes it
+    a rank; the factory holds the read ends of its stdout and stderr pipes."""
+
+    pid: int
+    link: socket.socket
+    stdout: int
+    stderr: int
+
+    def fds(self) -> tuple[int, int, int]:
+        return self.link.fileno(), self.stdout, self.stderr
+
+    def close(self) -> None:
+        self.link.close()
+        os.close(self.stdout)
+        os.close(self.stderr)
+
+
+def spares_to_keep(busiest: int) -> int:
+    """How many spares to fork while idle, after a busy spell that had `busiest` ranks alive
+    at once: what the same run again would ask for."""
+    return min(busiest, MAX_SPARES)
+
+
 def serve(tied: bool = False) -> None:
     """The factory's loop: fork a rank per request, forward its output, report its exit.
     `tied`: each rank is killed when the factory ends (its parent started it tied to itself)."""
@@ -123,6 +164,12 @@ def serve(tied: bool = False) -> None:
         import torch  # the point of the factory: imported once, before any fork
 
         from . import worker  # noqa: F401
+        # What every rank imports on its way to the user's code, ~15 ms a rank: its task's
+        # class (unpickled by reference), and the codec that `socket.create_connection`
+        # encodes a host name with.
+        import encodings.idna  # noqa: F401
+
+        from ..wire import tasks  # noqa: F401
 
         # A process's first optimizer costs about 1.5 s: torch.optim imports torch's compiler
         # stack on first use. Every rank builds one, so pay it here, once.
@@ -138,12 +185,17 @@ def serve(tied: bool = False) -> None:
     requests = FrameReader(0, with_fds=True)
     streams: dict[int, _RankStream] = {}  # read end -> whose stream it is
     states: dict[int, ProcessState] = {}  # pid -> what was last reported of each living rank
-    oom_kills: dict[int, int] = {}  # pid -> the machine's OOM kills when it was forked
+    oom_kills: dict[int, int] = {}  # pid -> the machine's OOM kills when it became a rank
+    spares: dict[int, _Spare] = {}  # pid -> a process forked ahead of a request
+    busiest = keep = 0  # ranks alive at once in this busy spell; spares kept while idle
     polled_at = 0.0
     while True:
+        if not states and busiest:  # the busy spell is over
+            keep, busiest = spares_to_keep(busiest), 0
+        fork_spare = not states and len(spares) < keep
         try:
             readable, _, _ = select.select([0, child_exits_r, *streams], [], [],
-                                           STATE_POLL_S if states else None)
+                                           0 if fork_spare else STATE_POLL_S if states else None)
         except InterruptedError:
             continue
         if time.monotonic() - polled_at >= STATE_POLL_S:
@@ -154,7 +206,7 @@ def serve(tied: bool = False) -> None:
                 _forward(streams, fd, until_empty=False)
         if child_exits_r in readable:
             os.read(child_exits_r, 4096)
-            _report_exits(streams, states, oom_kills)
+            _report_exits(streams, states, oom_kills, spares)
         if 0 in readable:
             messages = requests.read()
             if messages is None:
@@ -162,22 +214,97 @@ def serve(tied: bool = False) -> None:
                 # second), during which this process would still hold the parent's stderr.
                 os._exit(0)
             for request in messages:
-                pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
                 handed = requests.take_fds(len(request.fds))
                 kills_before = memory_cap.machine_oom_kills()
-                pid = os.fork()
-                if pid == 0:
-                    _become_rank(request, pipes, handed, tied, child_exits_r, child_exits_w,
-                                 *streams)
-                for fd in handed:
-                    os.close(fd)  # the rank's now
-                for stream, (read_end, write_end) in pipes.items():
-                    os.close(write_end)  # before the next fork: only this rank may hold it
-                    os.set_blocking(read_end, False)
+                pid, outputs = _start_rank(request, handed, spares, tied,
+                                           [child_exits_r, child_exits_w, *streams])
+                for stream, read_end in outputs.items():
                     streams[read_end] = _RankStream(pid, stream)
                 states[pid] = ProcessState.RUNNING
                 oom_kills[pid] = kills_before
+                busiest = max(busiest, len(states))
                 write_frame(1, RankForked(request.id, pid))
+        elif fork_spare and not readable:  # nothing else to do: ready the next run's ranks
+            spare = _fork_spare(tied, [0, child_exits_r, child_exits_w, *streams,
+                                       *(fd for other in spares.values() for fd in other.fds())])
+            spares[spare.pid] = spare
+
+
+def _start_rank(request: ForkRank, handed: list[int], spares: dict[int, _Spare], tied: bool,
+                factory_fds: list[int]) -> tuple[int, dict[str, int]]:
+    """Make a rank of a spare, or fork one: its pid, and the read ends of its stdout and
+    stderr. The descriptors `handed` are the rank's now (closed here)."""
+    while spares:
+        spare = spares.pop(next(iter(spares)))
+        try:
+            if not process_state(spare.pid).alive:  # killed while it waited, not yet reaped
+                raise ProcessLookupError(spare.pid)
+            send_frame(spare.link, request, handed)
+        except OSError:  # it died waiting (its exit is not reported: it was never a rank)
+            os.kill(spare.pid, signal.SIGKILL)
+            spare.close()
+            continue
+        spare.link.close()
+        for fd in handed:
+            os.close(fd)
+        return spare.pid, {"stdout": spare.stdout, "stderr": spare.stderr}
+    pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
+    pid = os.fork()
+    if pid == 0:
+        _run_forked(lambda: _leave_the_factory(pipes, tied, factory_fds),
+                    lambda: (request, handed))
+    for fd in handed:
+        os.close(fd)
+    return pid, _parent_ends(pipes)
+
+
+def _fork_spare(tied: bool, factory_fds: list[int]) -> _Spare:
+    """Fork a process that leaves the factory and waits for the request that makes it a rank."""
+    link, spare_end = socket.socketpair()
+    pipes = {"stdout": os.pipe(), "stderr": os.pipe()}
+    pid = os.fork()
+    if pid == 0:
+        name = _process_name()
+
+        def leave_the_factory() -> None:
+            _leave_the_factory(pipes, tied, [*factory_fds, link.fileno()])
+            _set_process_name(SPARE_NAME)
+
+        def wait_for_request() -> tuple[ForkRank, list[int]]:
+            requests = FrameReader(spare_end.detach(), with_fds=True)
+            while True:
+                messages = requests.read()
+                if messages is None:
+                    os._exit(0)  # the factory ended: so does its spare
+                if messages:
+                    handed = requests.take_fds(len(messages[0].fds))
+                    requests.close()
+                    _set_process_name(name)  # a rank, named as one forked on demand is
+                    return messages[0], handed
+
+        _run_forked(leave_the_factory, wait_for_request)
+    spare_end.close()
+    ends = _parent_ends(pipes)
+    return _Spare(pid, link, ends["stdout"], ends["stderr"])
+
+
+def _parent_ends(pipes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The factory keeps each pipe's read end; the write end is closed before the next fork,
+    so that only the rank holds it."""
+    ends = {}
+    for stream, (read_end, write_end) in pipes.items():
+        os.close(write_end)
+        os.set_blocking(read_end, False)
+        ends[stream] = read_end
+    return ends
+
+
+def send_frame(link: socket.socket, message: object, fds: list[int]) -> None:
+    """Send `message` framed, with the descriptors `fds` (a request's, to a spare)."""
+    data = frame(pickle.dumps(message))
+    sent = socket.send_fds(link, [data], fds) if fds else 0
+    if sent < len(data):  # (never an empty send: a spare closes its end once it has read it)
+        link.sendall(data[sent:])
 
 
 def _forward(streams: dict[int, _RankStream], fd: int, until_empty: bool) -> None:
@@ -212,7 +339,7 @@ def _report_states(states: dict[int, ProcessState]) -> None:
 
 
 def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState],
-                  oom_kills: dict[int, int]) -> None:
+                  oom_kills: dict[int, int], spares: dict[int, _Spare]) -> None:
     while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -220,6 +347,9 @@ def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessStat
             return
         if pid == 0:
             return
+        if pid in spares:  # (killed while it waited: never a rank, nobody to tell)
+            spares.pop(pid).close()
+            continue
         # Everything it wrote is in its pipes now (more only if a child of its own lives on).
         for fd in [fd for fd, rank_stream in streams.items() if rank_stream.pid == pid]:
             _forward(streams, fd, until_empty=True)
@@ -229,28 +359,15 @@ def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessStat
         write_frame(1, RankReaped(pid, code, why))
 
 
-def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], handed: list[int],
-                 tied: bool, *factory_fds: int) -> None:
-    """In the forked child: become a rank as if freshly started, run it, and exit.
-
-    Its stdout and stderr are the write ends of `pipes`, which the factory reads; `handed`
-    are the descriptors that came with the request, open here under the numbers the
-    request gives them (`request.fds`)."""
+def _run_forked(leave_the_factory, wait_for_request) -> None:
+    """In a forked child: `leave_the_factory()`, then `wait_for_request()` for the request and
+    the descriptors that came with it, then become that rank as if freshly started, run it,
+    and exit. The descriptors are opened here under the numbers the request gives them
+    (`request.fds`)."""
     code = 1
     try:
-        if tied:
-            die_with_parent()
-        os.setsid()  # its own process group: stopping the rank stops what it starts too
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        for fd in factory_fds:
-            os.close(fd)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, (read_end, write_end) in zip((1, 2), (pipes["stdout"], pipes["stderr"])):
-            os.close(read_end)
-            os.dup2(write_end, fd)
-            os.close(write_end)
+        leave_the_factory()
+        request, handed = wait_for_request()
         _number_as_asked(handed, request.fds)
         os.chdir(request.cwd)
         sys.path[:] = request.sys_path
@@ -272,6 +389,41 @@ def _become_rank(request: ForkRank, pipes: dict[str, tuple[int, int]], handed: l
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # never return into the factory's loop
+
+
+def _leave_the_factory(pipes: dict[str, tuple[int, int]], tied: bool, factory_fds: list[int]) -> None:
+    """In a forked child: its own session, the default signal handlers, none of the
+    factory's descriptors (`factory_fds`); stdin from /dev/null, stdout and stderr the write
+    ends of `pipes`, which the factory reads."""
+    if tied:
+        die_with_parent()
+    os.setsid()  # its own process group: stopping the rank stops what it starts too
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for fd in factory_fds:
+        os.close(fd)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, (read_end, write_end) in zip((1, 2), (pipes["stdout"], pipes["stderr"])):
+        os.close(read_end)
+        os.dup2(write_end, fd)
+        os.close(write_end)
+
+
+def _process_name() -> str:
+    try:
+        with open("/proc/self/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
+def _set_process_name(name: str) -> None:
+    """The name `ps` and `top` show (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux") and name:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def _number_as_asked(received: list[int], numbers: tuple[int, ...]) -> None:

@@ -10,16 +10,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import pickle
 import queue
 import socket
 import subprocess
 import sys
 import threading
 
-from ..wire.channel import frame
 from ..wire.messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
-from .factory import FrameReader, die_with_parent
+from .factory import FrameReader, die_with_parent, send_frame
 
 FORK_TIMEOUT_S = 60.0  # for the rank factory to fork a rank it was asked for
 FACTORY_EXIT_TIMEOUT_S = 10.0  # for a released factory to exit before it is killed
@@ -72,7 +70,7 @@ class RankFactory:
             self._started[request_id] = reply
             self._output_listeners[("request", request_id)] = on_output
             self._state_listeners[("request", request_id)] = on_state
-            self._send(dataclasses.replace(request, id=request_id))
+            send_frame(self._requests, dataclasses.replace(request, id=request_id), list(request.fds))
         try:
             pid = reply.get(timeout=FORK_TIMEOUT_S)
         except queue.Empty:
@@ -88,11 +86,6 @@ class RankFactory:
         if early is not None:
             on_exit(early.returncode, early.out_of_memory)
         return pid
-
-    def _send(self, request: ForkRank) -> None:
-        data = frame(pickle.dumps(request))
-        sent = socket.send_fds(self._requests, [data], list(request.fds)) if request.fds else 0
-        self._requests.sendall(data[sent:])
 
     def _read_replies(self) -> None:
         replies = FrameReader(self._process.stdout.fileno())
