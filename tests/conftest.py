@@ -158,9 +158,9 @@ def no_process_outlives_its_test():
     """Whatever a test starts — ddlrun, ranks, a kernel — is gone when it ends, pass or fail.
 
     What outlives its test on purpose is left alone: a rank factory (one per driver process,
-    kept warm) and its spares, Spark's JVM and its Python workers, multiprocessing's helpers. Anything else still running
-    `LEFTOVER_GRACE_S` after the test is killed with its whole process tree, and the test
-    errors, naming it: a leak found, not hidden.
+    kept warm) and its spares, Spark's JVM and its Python workers, multiprocessing's helpers.
+    Anything else still running `LEFTOVER_GRACE_S` after the test is killed with its whole
+    process tree, and the test errors, naming it: a leak found, not hidden.
     """
     import psutil
 

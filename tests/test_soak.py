@@ -1,6 +1,6 @@
 """`%%horovod` runs in one notebook kernel leave it as they found it: the same open files,
-threads and child processes (the rank factory's spares: as many), and its memory within 20 MB (30 runs by default, a hundred in
-the long checks)."""
+threads and child processes (as many of the rank factory's spares), and its memory within
+20 MB (30 runs by default, a hundred in the long checks)."""
 
 import json
 
@@ -14,13 +14,14 @@ SETUP = """
 %load_ext ddl_magic
 import gc, json, os, threading, time
 import psutil
+from ddl_magic.rank.factory import SPARE_NAME
 
 def snapshot():
     gc.collect()
     me = psutil.Process()
     processes = me.children(recursive=True)
     # a rank factory's spares are forked afresh after each run: how many, not which
-    spares = [c for c in processes if c.name() == "ddl-spare"]
+    spares = [c for c in processes if c.name() == SPARE_NAME]
     return {"fds": sorted(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
             "children": sorted(c.pid for c in processes if c not in spares),
             "spares": len(spares), "rss": me.memory_info().rss}

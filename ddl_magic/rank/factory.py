@@ -77,10 +77,15 @@ SPARE_NAME = "ddl-spare"  # a spare's process name, until a request makes it a r
 def die_with_parent() -> None:
     """Have Linux SIGKILL this process when the thread that started it ends (elsewhere,
     nothing: a rank there ends when it loses the driver)."""
+    _prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+def _prctl(option: int, argument: object) -> None:
+    """Linux's prctl(2) for this process; elsewhere nothing."""
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        ctypes.CDLL(None, use_errno=True).prctl(option, argument)
 
 
 def write_frame(fd: int, message: object) -> None:
@@ -420,10 +425,8 @@ def _process_name() -> str:
 
 def _set_process_name(name: str) -> None:
     """The name `ps` and `top` show (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux") and name:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
+    if name:
+        _prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def _number_as_asked(received: list[int], numbers: tuple[int, ...]) -> None:
