@@ -4,6 +4,9 @@ be set is refused before anything starts. And the proof, short: under a cap, DDP
 memory while FSDP2 trains to the loss of one process (`large_model_proof.py`)."""
 
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -41,6 +44,37 @@ def test_a_rank_over_its_cap_is_named_out_of_memory_with_its_peak_and_leaves_not
                              "of 256.00 MiB (--memory-per-rank)"), reason
     assert "peak resident memory was" in reason and "256.00 MiB counted against the cap" in reason
     assert not [name for name in os.listdir(memory_cap.CONTROLLER) if name.startswith("ddl_magic")]
+
+
+@needs_cgroups
+def test_a_process_killed_while_the_oom_killer_kills_another_is_not_named_out_of_memory():
+    # The machine's OOM-kill count is every process's: CI once named a rank killed by SIGKILL
+    # out of memory because something else on the machine ran out of memory meanwhile.
+    kills_before = memory_cap.machine_oom_kills()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hog = subprocess.Popen([sys.executable, "-c", (
+        "from ddl_magic.rank import memory_cap\n"
+        "memory_cap.cap_this_process(64 << 20)\n"
+        "hog = bytearray(256 << 20)\n")])
+    try:
+        assert hog.wait(timeout=60) == -signal.SIGKILL
+        bystander.send_signal(signal.SIGKILL)
+        assert bystander.wait(timeout=60) == -signal.SIGKILL
+        assert memory_cap.machine_oom_kills() > kills_before
+        assert memory_cap.killed_by_the_oom_killer(hog.pid) in (True, None)
+        hog_reason = memory_cap.out_of_memory(hog.pid, -signal.SIGKILL, 0, kills_before)
+        assert hog_reason.startswith("out of memory: killed by the kernel's OOM killer at its "
+                                     "memory cap of 64.00 MiB"), hog_reason
+        bystander_reason = memory_cap.out_of_memory(bystander.pid, -signal.SIGKILL, 0, kills_before)
+        if memory_cap.killed_by_the_oom_killer(bystander.pid) is None:  # no kernel log here
+            assert bystander_reason.startswith("killed by SIGKILL while the kernel's OOM killer")
+        else:
+            assert bystander_reason == ""
+    finally:
+        for process in (hog, bystander):
+            process.kill()
+            process.wait(timeout=60)
+    assert not os.path.isdir(memory_cap.cgroup_of(hog.pid))
 
 
 def test_a_cap_that_cannot_be_set_is_refused_before_anything_starts(monkeypatch):

@@ -10,9 +10,12 @@ cgroup as soon as it has it, before anything of the user's runs, and the rank fa
 reaps it, reads what happened and removes the cgroup.
 
 With or without a cap, a rank killed by SIGKILL is named as out of memory when the kernel's
-OOM killer killed it: its cgroup counted an OOM kill, or, uncapped, the machine's OOM-kill
-count (`/proc/vmstat`) went up while it ran. Its peak resident memory (the factory's
-`wait4`) comes with the name. Where no cgroup can be made (not Linux, no v1 memory
+OOM killer killed it: its cgroup counted an OOM kill, or, uncapped, the kernel's log names its
+pid. Where the log cannot be read (not root, or a pid namespace whose pids the log does not
+use) and the machine's OOM-kill count (`/proc/vmstat`) went up while it ran, it is named as
+killed by SIGKILL, probably out of memory: the machine's count is any process's, and a rank
+killed by a person or a supervisor must not read as out of memory. Its peak resident memory
+(the factory's `wait4`) comes with the name. Where no cgroup can be made (not Linux, no v1 memory
 controller, not root), `unavailable()` says why, and the run is refused before it starts.
 """
 
@@ -27,6 +30,7 @@ VARIABLE = "DDL_MAGIC_MEMORY_PER_RANK"
 CONTROLLER = "/sys/fs/cgroup/memory"
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 1 << 20
+_KILLED_BY_THE_OOM_KILLER = re.compile(rb"out of memory: Killed process (\d+) ")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -153,9 +157,44 @@ def out_of_memory(pid: int, returncode: int, peak_rss: int, oom_kills_before: in
                 f"{format_size(limit)} (--memory-per-rank){peak}, of which "
                 f"{format_size(charged)} counted against the cap (the rest is torch's memory, "
                 "shared with the process the rank was forked from)")
-    if not capped and machine_oom_kills() > oom_kills_before:
+    if capped:
+        return ""
+    named_in_the_log = killed_by_the_oom_killer(pid)
+    if named_in_the_log:
         return f"out of memory: killed by the kernel's OOM killer, the machine being out of memory{peak}"
+    if named_in_the_log is None and machine_oom_kills() > oom_kills_before:
+        return ("killed by SIGKILL while the kernel's OOM killer was killing processes on this "
+                f"machine: probably out of memory{peak}")
     return ""
+
+
+def killed_by_the_oom_killer(pid: int) -> bool | None:
+    """Whether the kernel's log says its OOM killer killed `pid`; None where this process
+    cannot tell: the log is not readable here, or this process is in a pid namespace (the log
+    names pids as the kernel's first namespace numbers them)."""
+    if len(_read("/proc/self/status").partition("NSpid:")[2].split("\n")[0].split()) > 1:
+        return None
+    try:
+        log = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    victims = set()
+    try:
+        while True:
+            try:
+                record = os.read(log, 8192)
+            except BlockingIOError:  # the end of the log
+                break
+            except BrokenPipeError:  # the kernel overwrote the record being read: go on
+                continue
+            if not record:
+                break
+            victims.update(int(pid) for pid in _KILLED_BY_THE_OOM_KILLER.findall(record))
+    except OSError:
+        return None
+    finally:
+        os.close(log)
+    return pid in victims
 
 
 def _read(path: str) -> str:
