@@ -189,3 +189,15 @@ def test_attribution_is_a_pure_function_of_failures_ranks_and_the_stop():
     assert [f.rank for f in verdict.failures] == [3, 1, 0]
     assert verdict.stopped == [1]  # vanished after the stop, but its host was lost with rank 3
     assert verdict.failed[1].startswith("the Spark executor on host-b was lost, and ranks 1 and 3")
+
+
+def test_a_run_whose_every_failure_came_after_the_stop_still_names_a_rank():
+    from ddl_magic.driver.attribution import RankFacts, attribute
+
+    ranks = [RankFacts("host-a", None, done=False), RankFacts("host-a", ABORTED_EXIT_CODE, done=False)]
+    verdict = attribute([failed(0, FailureKind.VANISHED, 10, "connection lost"),
+                         failed(1, FailureKind.VANISHED, 20, "connection lost")],
+                        ranks, aborted_at_ns=5, describe_lost=SparkLauncher.describe_lost,
+                        peer_timeout_s=10)
+    assert verdict.cause.rank == 0 and verdict.stopped == [1]
+    assert verdict.failed == {0: verdict.cause.reason}

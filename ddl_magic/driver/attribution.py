@@ -17,6 +17,8 @@ The rules, in order:
    with it (also those that vanished after the stop with no exit status: whatever would
    report it went with them); when it is a host that stopped answering, every rank there is
    lost. The verdict names the host.
+5. Where rule 2 would leave no failure at all (every rank that failed ended after the stop),
+   the first of them is the cause after all: a failed run names a rank.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def attribute(failures: list[RankFailed], ranks: list[RankFacts], aborted_at_ns:
                 and failure.at_ns > aborted_at_ns)
 
     verdict = Attribution(failures=[])
-    vanished_later = []
+    vanished_later, stopped_failures = [], []
     lost_early = {f.lost_rank for f in failures  # lost, as a peer saw it before the stop
                   if f.kind is FailureKind.LOST_PEER and not ended_after_abort(f)}
     for failure in failures:
@@ -97,8 +99,15 @@ def attribute(failures: list[RankFailed], ranks: list[RankFacts], aborted_at_ns:
                 verdict.stopped.append(failure.rank)
                 if rank.exit_code is None:  # ... unless nothing is left to report its exit
                     vanished_later.append(failure)
+                stopped_failures.append(failure)
                 continue
         verdict.failures.append(failure)
+    if not verdict.failures and stopped_failures:  # rule 5
+        first = stopped_failures[0]
+        verdict.failures.append(first)
+        verdict.stopped.remove(first.rank)
+        if first in vanished_later:
+            vanished_later.remove(first)
     verdict.failures.sort(key=lambda f: (ROOT_CAUSE_ORDER[f.kind], f.at_ns or 0))
     _name_a_lost_host(verdict, vanished_later, ranks, describe_lost, peer_timeout_s)
     verdict.failed.update((f.rank, f.reason) for f in verdict.failures)
