@@ -2,6 +2,7 @@
 statuses (never their text): the cases the multi-host and kill tests meet, replayed as
 events in the order a busy machine may deliver them, with the driver's stop in between."""
 
+import queue
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from ddl_magic.driver.run_result import RankFailedError, RunResult
 from ddl_magic.launch.spark import SparkLauncher
 from ddl_magic.wire.channel import ABORTED_EXIT_CODE
 from ddl_magic.driver.records import RankStatus, new_records
+from ddl_magic.driver.run_status import RunStatus
 
 HOSTS = ["host-a", "host-b", "host-a", "host-b"]  # as Spark places 4 ranks on 2 hosts
 
@@ -28,6 +30,9 @@ class ShownFailures:
     def handle(self, event):
         if isinstance(event, RankFailed):
             self.failures.append(event)
+
+    def finish(self, end):
+        pass
 
 
 def replay(tmp_path, events, abort_before: int, describe_lost=None):
@@ -201,3 +206,19 @@ def test_a_run_whose_every_failure_came_after_the_stop_still_names_a_rank():
                         peer_timeout_s=10)
     assert verdict.cause.rank == 0 and verdict.stopped == [1]
     assert verdict.failed == {0: verdict.cause.reason}
+
+
+def test_a_failure_that_comes_after_the_stop_is_kept_in_its_ranks_log(tmp_path):
+    # A rank whose collective ended because a peer failed, heard only once the run was being
+    # stopped: not shown, not blamed, but its log says how its code ended.
+    run = RunResult("run", len(HOSTS), "test", ranks=new_records(len(HOSTS), str(tmp_path)))
+    watcher = RunWatcher(run, ShownFailures(), None, events=queue.Queue(), server=None)
+    for rank, host in enumerate(HOSTS):
+        watcher.handle(RankStarted(rank, host, 100 + rank))
+    watcher.handle(failed(0, FailureKind.RAISED, 0, "ValueError: boom"))
+    watcher.drain()  # the run is being stopped
+    watcher.handle(RankFailed(1, HOSTS[1], FailureKind.LOST_PEER,
+                              "CollectiveAbortedError: rank 0 failed\n", "rank 0 failed", 1, 10))
+    watcher.close(RunStatus.FAILED)
+    assert run.ranks[1].status is RankStatus.STOPPED
+    assert "CollectiveAbortedError: rank 0 failed" in run.log(1)

@@ -311,6 +311,10 @@ class RunWatcher:
             return  # the process exit and the lost connection report the same end
         if self._stopping or failure.exit_code == ABORTED_EXIT_CODE:
             rank.end(RankStatus.STOPPED)  # because another rank failed, or the run was interrupted
+            if failure.exit_code != ABORTED_EXIT_CODE and failure.traceback:
+                # Its own end, come after the run was stopped (a peer's failure reached it
+                # before the stop did): not shown, but its log keeps it.
+                self._logs[failure.rank].write(failure.traceback)
             return
         # A lost connection may yet be a rank that we stopped, or one that died on its own:
         # the policy decides, by when it happened and by its exit status.
