@@ -33,6 +33,7 @@ the world's ranks a host-update notice (`HostsUpdated`); at their next `commit()
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections import Counter
@@ -97,6 +98,9 @@ class Elastic:
         self._ready: list[int] = []
         self._exit_pending: set[int] = set()  # slots whose lost process's exit is still queued
         self._vanished: set[int] = set()  # lost by a closed connection, exit status not known yet
+        # Those whose world re-formed before their exit status came: slot -> (the reset,
+        # where in its `left`), to tell the record better when it comes.
+        self._reset_before_exit: dict[int, tuple[int, int]] = {}
         self._host_failures: Counter = Counter()
         self._failures_taken = 0
         self.record.resets = []
@@ -130,6 +134,9 @@ class Elastic:
                 # a lost process's exit status says more than its closed connection
                 self._round.tell_better(event.rank, event.out_of_memory
                                         or describe_exit(event.returncode))
+            elif event.rank in self._reset_before_exit:  # ... also after its world re-formed
+                self._tell_reset_better(*self._reset_before_exit.pop(event.rank),
+                                        event.out_of_memory or describe_exit(event.returncode))
             self._exit_pending.discard(event.rank)
             self._vanished.discard(event.rank)
         return False
@@ -233,6 +240,10 @@ class Elastic:
                            len(members), round_.asked.get(members[0], 0), tuple(members),
                            time.time())
         self.record.resets.append(reset)
+        for position, (rank, _) in enumerate(left):
+            if round_.members[rank] in self._vanished:
+                self._reset_before_exit[round_.members[rank]] = (len(self.record.resets) - 1,
+                                                                 position)
         self._say(reset.describe())
         self.watcher.display.handle(reset)
         # the reset, from its first sign to the new world, on each member's row
@@ -291,8 +302,18 @@ class Elastic:
 
     # ---- helpers ---------------------------------------------------------------------------
 
+    def _tell_reset_better(self, index: int, position: int, reason: str) -> None:
+        """A lost rank's exit status came after its reset was made: the run's record of the
+        reset says it, and so do the logs."""
+        reset = self.record.resets[index]
+        reasons = (*reset.reasons[:position], reason, *reset.reasons[position + 1:])
+        self.record.resets[index] = dataclasses.replace(reset, reasons=reasons)
+        self._say(f"reset {reset.generation}: rank {reset.left[position]} left ({reason}), as "
+                  "its exit status, come after the reset, says")
+
     def _restart_record(self, slot: int) -> None:
         """A replacement holds the slot now: its row starts over, its log goes on."""
+        self._reset_before_exit.pop(slot, None)  # whatever exits now is the new one
         record = self.record.ranks[slot]
         record.status, record.reason, record.failure = RankStatus.STARTING, "", None
         record.ended_at, record.exit_code = None, None
