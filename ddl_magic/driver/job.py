@@ -123,7 +123,7 @@ class Job:
         if outcome is not RunStatus.DONE:
             watcher.server.abort("the run was interrupted" if outcome is RunStatus.INTERRUPTED
                                  else "the run failed")
-        self.launcher.stop()
+        self.launcher.stop(finished=outcome is RunStatus.DONE)
         watcher.server.close()
         watcher.drain()
         watcher.record.control = watcher.server.counters.summary()

@@ -9,7 +9,7 @@ processes it started: their output (where it forwards it), their state, their ex
     launcher.check(np)                            # before anything is created: refuse at once
     launcher.start(np, address, secret, events)   # the ranks connect to the control server
     launcher.replace(slot) / launcher.kill(slot)  # an elastic run's lost rank, or a hung one
-    launcher.stop()                               # every path out of a run comes here, once
+    launcher.stop(finished)                       # every path out of a run comes here, once
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class Launcher(Protocol):
     def kill(self, slot: int) -> None:
         """End the rank in `slot` now (stopped, unreachable or hung)."""
 
-    def stop(self) -> None:
-        """Stop every rank this launcher started; what is left after a grace is killed."""
+    def stop(self, finished: bool = False) -> None:
+        """Stop every rank this launcher started; what is left after a grace is killed.
+        `finished`: every rank reported its result and is ending on its own: it may."""
 
     def renewed(self) -> Launcher:
         """A launcher like this one for a fresh start (a pool's restart), after `stop`."""

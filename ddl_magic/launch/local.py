@@ -14,6 +14,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 
 from ..driver.events import ProcessExited, RankOutput, RankProcessState
 from ..rank.factory_client import RankFactory, signal_rank_group
@@ -115,12 +116,26 @@ class LocalLauncher:
         self._start_args = (control_address, secret, env, sys_path, events)
         # A start after `stop` is a new group (a run's restart): the last one's are all gone.
         self._pids, self._exited, self._slot_pids = [], {}, {}
-        for rank in range(np):
-            self._fork(rank)
+        self._fork(range(np))
 
-    def _fork(self, rank: int) -> None:
+    def _fork(self, ranks) -> None:
+        """Fork the processes of `ranks`, asked of the factory all at once."""
         control_address, secret, env, sys_path, events = self._start_args
-        exited = threading.Event()
+        requests, exits = [], []
+        for rank in ranks:
+            exited = threading.Event()
+            exits.append(exited)
+            requests.append((ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
+                             *self._listeners(rank, events, exited)))
+        pids = rank_factory().fork_ranks(requests)
+        for rank, pid, exited in zip(ranks, pids, exits):
+            self._pids.append(pid)
+            self._exited[pid] = exited
+            self._slot_pids[rank] = pid
+
+    @staticmethod
+    def _listeners(rank: int, events: queue.Queue, exited: threading.Event) -> tuple:
+        """What the factory calls with a rank's exit, its output and its state."""
 
         def on_exit(returncode: int, out_of_memory: str) -> None:
             events.put(ProcessExited(rank, returncode, out_of_memory=out_of_memory))
@@ -133,12 +148,7 @@ class LocalLauncher:
         def on_state(state: str) -> None:
             events.put(RankProcessState(rank, state))
 
-        pid = rank_factory().fork_rank(
-            ForkRank(rank, control_address, secret, env, os.getcwd(), sys_path),
-            on_exit, on_output, on_state)
-        self._pids.append(pid)
-        self._exited[pid] = exited
-        self._slot_pids[rank] = pid
+        return on_exit, on_output, on_state
 
     def replace(self, rank: int) -> bool:
         """Start a new process in the slot of `rank`, whose process was lost (an elastic
@@ -146,7 +156,7 @@ class LocalLauncher:
         its own), and its exit queued before anything of the new one: True."""
         if not self._exited[self._slot_pids[rank]].wait(0.5):
             self.kill(rank)
-        self._fork(rank)
+        self._fork([rank])
         return True
 
     def kill(self, rank: int) -> None:
@@ -156,8 +166,15 @@ class LocalLauncher:
         signal_rank_group(pid, signal.SIGKILL)
         self._exited[pid].wait(5)
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Terminate every rank's process group, kill what remains after `grace_s`."""
+    def stop(self, finished: bool = False, grace_s: float = 1.0) -> None:
+        """Terminate every rank's process group, kill what remains after `grace_s`.
+        `finished`: every rank reported its result, and is exiting: each has `grace_s` to
+        exit before the signals (its exit is reported as soon as it has closed its output,
+        while the kernel still takes down its memory: a signal now would cut that short)."""
+        if finished:
+            deadline = time.monotonic() + grace_s
+            for pid in self._pids:
+                self._exited[pid].wait(max(0.0, deadline - time.monotonic()))
         for pid in self._pids:
             signal_rank_group(pid, signal.SIGTERM)
             signal_rank_group(pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once resumed

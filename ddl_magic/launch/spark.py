@@ -242,8 +242,9 @@ class SparkLauncher:
         if job.thread.is_alive():
             self._jobs.cancel(job.tag)
 
-    def stop(self) -> None:
-        """End the ranks' jobs: let the tasks of stopped ranks end, cancel what remains."""
+    def stop(self, finished: bool = False) -> None:
+        """End the ranks' jobs: let the tasks of stopped ranks end, cancel what remains
+        (`finished` or not: a task ends once its rank has)."""
         if not self._threads:
             return
         self._stopping.set()

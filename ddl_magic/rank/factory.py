@@ -13,7 +13,7 @@ with a request) and its stdout, which only that parent holds:
     parent ◄── RankForked ──                          environment, run the worker
     parent ◄── RankWrote ── (what the rank wrote, line by line)
     parent ◄── RankState ── (when the kernel's word on the rank changes: running, stopped)
-    parent ◄── RankReaped ── (when the factory reaps a rank, after all it wrote)
+    parent ◄── RankExited ── (after all it wrote: as it exits on its own, else when reaped)
 
 Forking this process (torch imported, ~400 MB resident) takes about 10 ms on a small VM, and
 a run's ranks were forked one after another on the way to its first step. So while no rank
@@ -27,6 +27,14 @@ The factory owns each rank's output: a rank's stdout and stderr are pipes whose 
 only the factory holds, so whatever the rank wrote before it died (a segfault, the OOM
 killer, SIGKILL, `os._exit`) is read and sent on, and a rank's exit is reported only after
 everything it wrote, its last unfinished line included.
+
+A rank's exit is on the way to the end of every run: the kernel takes down its memory
+before its parent can reap it, ~10 ms for a process forked from one with torch imported. So
+a rank closes its output as its last act before `os._exit`; when both its pipes end, the
+factory reads the rank's state from the kernel, which has set its exit code before taking its
+memory down, and reports its exit (`RankExited`) without waiting for the reaping. A rank
+killed by a signal is reported when reaped: its peak memory and the OOM killer's word come
+from that.
 
 The factory is also the judge of whether a rank is alive (`liveness.py`): it reads each
 rank's state from the kernel every `STATE_POLL_S` and reports changes, so a rank that holds
@@ -58,17 +66,22 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 from . import memory_cap
-from ..wire.liveness import ProcessState, process_state
-from ..wire.messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
+from ..wire.liveness import ProcessState, exit_under_way, process_state
+from ..wire.messages import ForkRank, RankExited, RankForked, RankState, RankWrote
 from ..wire.output_lines import LineSplitter
 from ..wire.channel import FrameBuffer, frame
 
 # How often the factory reads its ranks' states: a stop is reported this long after it at
 # most, well within the shortest peer timeout (2 s).
 STATE_POLL_S = 0.25
+# A rank that closed its output is read for its exit this often, this long, before its
+# reaping is left to report it (it closes its output just before `os._exit`).
+EXIT_POLL_S = 0.001
+EXIT_POLL_FOR_S = 0.05
 MAX_FDS_PER_READ = 64  # descriptors that can come with one read of requests
 MAX_SPARES = 16  # processes forked ahead of requests, at most
 SPARE_NAME = "ddl-spare"  # a spare's process name, until a request makes it a rank
@@ -192,15 +205,18 @@ def serve(tied: bool = False) -> None:
     states: dict[int, ProcessState] = {}  # pid -> what was last reported of each living rank
     oom_kills: dict[int, int] = {}  # pid -> the machine's OOM kills when it became a rank
     spares: dict[int, _Spare] = {}  # pid -> a process forked ahead of a request
+    output_ended: dict[int, float] = {}  # pid -> until when to look for its exit
+    exit_reported: set[int] = set()  # ranks whose exit was reported before their reaping
     busiest = keep = 0  # ranks alive at once in this busy spell; spares kept while idle
     polled_at = 0.0
     while True:
         if not states and busiest:  # the busy spell is over
             keep, busiest = spares_to_keep(busiest), 0
         fork_spare = not states and len(spares) < keep
+        timeout = (0 if fork_spare else EXIT_POLL_S if output_ended
+                   else STATE_POLL_S if states else None)
         try:
-            readable, _, _ = select.select([0, child_exits_r, *streams], [], [],
-                                           0 if fork_spare else STATE_POLL_S if states else None)
+            readable, _, _ = select.select([0, child_exits_r, *streams], [], [], timeout)
         except InterruptedError:
             continue
         if time.monotonic() - polled_at >= STATE_POLL_S:
@@ -208,10 +224,16 @@ def serve(tied: bool = False) -> None:
             _report_states(states)
         for fd in readable:
             if fd in streams:
+                pid = streams[fd].pid
                 _forward(streams, fd, until_empty=False)
+                if pid in states and not any(s.pid == pid for s in streams.values()):
+                    output_ended[pid] = time.monotonic() + EXIT_POLL_FOR_S
+        _report_exits_under_way(output_ended, states, exit_reported)
         if child_exits_r in readable:
             os.read(child_exits_r, 4096)
-            _report_exits(streams, states, oom_kills, spares)
+            _report_exits(streams, states, oom_kills, spares, exit_reported)
+            for pid in [pid for pid in output_ended if pid not in states]:  # reaped
+                del output_ended[pid]
         if 0 in readable:
             messages = requests.read()
             if messages is None:
@@ -343,8 +365,25 @@ def _report_states(states: dict[int, ProcessState]) -> None:
             write_frame(1, RankState(pid, state.value))
 
 
+def _report_exits_under_way(output_ended: dict[int, float], states: dict[int, ProcessState],
+                            exit_reported: set[int]) -> None:
+    """Report each rank whose output ended and whose exit the kernel has under way: it is
+    no longer a living rank (`states`: nor counted in a busy spell's ranks). Stop looking for
+    the exit of those that have not exited in time (their reaping says)."""
+    now = time.monotonic()
+    for pid, until in list(output_ended.items()):
+        code = exit_under_way(pid)
+        if code is not None:
+            write_frame(1, RankExited(pid, code))
+            exit_reported.add(pid)
+            states.pop(pid, None)
+        if code is not None or now >= until:
+            del output_ended[pid]
+
+
 def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessState],
-                  oom_kills: dict[int, int], spares: dict[int, _Spare]) -> None:
+                  oom_kills: dict[int, int], spares: dict[int, _Spare],
+                  exit_reported: set[int]) -> None:
     while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -361,7 +400,10 @@ def _report_exits(streams: dict[int, _RankStream], states: dict[int, ProcessStat
         states.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
         why = memory_cap.out_of_memory(pid, code, usage.ru_maxrss * 1024, oom_kills.pop(pid, 0))
-        write_frame(1, RankReaped(pid, code, why))
+        if pid in exit_reported:  # as it exited (its memory cgroup is removed now)
+            exit_reported.discard(pid)
+        else:
+            write_frame(1, RankExited(pid, code, why))
 
 
 def _run_forked(leave_the_factory, wait_for_request) -> None:
@@ -372,6 +414,7 @@ def _run_forked(leave_the_factory, wait_for_request) -> None:
     code = 1
     try:
         leave_the_factory()
+        _leave_the_factorys_exit_work()
         request, handed = wait_for_request()
         _number_as_asked(handed, request.fds)
         os.chdir(request.cwd)
@@ -393,7 +436,31 @@ def _run_forked(leave_the_factory, wait_for_request) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        _end_output()
         os._exit(code)  # never return into the factory's loop
+
+
+def _leave_the_factorys_exit_work() -> None:
+    """In a forked child: forget the exit handlers and finalizers the factory registered
+    (torch's: ~50 ms at exit deregistering its operator libraries, which a process about to
+    end need not do); a rank's exit runs only those registered while it was a rank (the
+    user's code's, ddl_magic's), as a fresh process's would."""
+    atexit._clear()
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        finalizer.atexit = False
+    weakref.finalize._registered_with_atexit = False  # the next one registers its handler anew
+
+
+def _end_output() -> None:
+    """Close this rank's stdout and stderr pipes, its last act: the factory, seeing both
+    end, reads its exit from the kernel while the kernel still takes down its memory. (Onto
+    /dev/null, not closed: a thread of the rank that opens a file now cannot get 1 or 2.)"""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    except OSError:
+        pass
 
 
 def _leave_the_factory(pipes: dict[str, tuple[int, int]], tied: bool, factory_fds: list[int]) -> None:

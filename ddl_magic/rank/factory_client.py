@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
-from ..wire.messages import ForkRank, RankForked, RankReaped, RankState, RankWrote
+from ..wire.messages import ForkRank, RankExited, RankForked, RankState, RankWrote
 from .factory import FrameReader, die_with_parent, send_frame
 
 FORK_TIMEOUT_S = 60.0  # for the rank factory to fork a rank it was asked for
@@ -42,7 +43,7 @@ class RankFactory:
         self._exit_listeners: dict[int, callable] = {}
         self._output_listeners: dict[int, callable] = {}  # by request id until started, then by pid
         self._state_listeners: dict[int, callable] = {}  # by request id until started, then by pid
-        self._early_exits: dict[int, RankReaped] = {}  # exits heard before anyone listened for them
+        self._early_exits: dict[int, RankExited] = {}  # exits heard before anyone listened for them
         threading.Thread(target=self._read_replies, name="ddl-rank-factory", daemon=True).start()
 
     def alive(self) -> bool:
@@ -63,29 +64,42 @@ class RankFactory:
         """Start one rank. From another thread, `on_output(stream, lines)` is called with what
         it writes, `on_state(state)` when it stops or goes on (a `ProcessState` value), then
         `on_exit(returncode, out_of_memory)` once it has ended and all it wrote was read
-        (`out_of_memory`: why, where the OOM killer killed it, else "")."""
-        request_id = next(self._ids)
-        reply: queue.Queue = queue.Queue()
+        (`out_of_memory`: why, where the OOM killer killed it, else ""): reaped, or exiting
+        on its own with its output closed (the kernel then still takes its memory down)."""
+        return self.fork_ranks([(request, on_exit, on_output, on_state)])[0]
+
+    def fork_ranks(self, requests: list[tuple]) -> list[int]:
+        """Start a rank for each `(request, on_exit, on_output, on_state)` (as `fork_rank`),
+        all asked for before the first answer is awaited: their pids, in order."""
+        replies = []
         with self._lock:
-            self._started[request_id] = reply
-            self._output_listeners[("request", request_id)] = on_output
-            self._state_listeners[("request", request_id)] = on_state
-            send_frame(self._requests, dataclasses.replace(request, id=request_id), list(request.fds))
-        try:
-            pid = reply.get(timeout=FORK_TIMEOUT_S)
-        except queue.Empty:
-            raise RuntimeError("the rank factory did not start a rank within "
-                               f"{FORK_TIMEOUT_S:.0f} s") from None
-        if pid is None:
-            raise RuntimeError("the rank factory exited before starting the rank; the next run "
-                               "starts a new one")
-        with self._lock:
-            early = self._early_exits.pop(pid, None)
-            if early is None:
-                self._exit_listeners[pid] = on_exit
-        if early is not None:
-            on_exit(early.returncode, early.out_of_memory)
-        return pid
+            for request, _, on_output, on_state in requests:
+                request_id = next(self._ids)
+                replies.append(reply := queue.Queue())
+                self._started[request_id] = reply
+                self._output_listeners[("request", request_id)] = on_output
+                self._state_listeners[("request", request_id)] = on_state
+                send_frame(self._requests, dataclasses.replace(request, id=request_id),
+                           list(request.fds))
+        deadline = time.monotonic() + FORK_TIMEOUT_S
+        pids = []
+        for reply, (_, on_exit, _, _) in zip(replies, requests):
+            try:
+                pid = reply.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError("the rank factory did not start a rank within "
+                                   f"{FORK_TIMEOUT_S:.0f} s") from None
+            if pid is None:
+                raise RuntimeError("the rank factory exited before starting the rank; the next "
+                                   "run starts a new one")
+            with self._lock:
+                early = self._early_exits.pop(pid, None)
+                if early is None:
+                    self._exit_listeners[pid] = on_exit
+            if early is not None:
+                on_exit(early.returncode, early.out_of_memory)
+            pids.append(pid)
+        return pids
 
     def _read_replies(self) -> None:
         replies = FrameReader(self._process.stdout.fileno())
@@ -116,7 +130,7 @@ class RankFactory:
                         case RankState(pid, state):
                             if (on_state := self._state_listeners.get(pid)) is not None:
                                 on_state(state)
-                        case RankReaped(pid):
+                        case RankExited(pid):
                             self._output_listeners.pop(pid, None)
                             self._state_listeners.pop(pid, None)
                             on_exit = self._exit_listeners.pop(pid, None)

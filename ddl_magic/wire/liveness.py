@@ -26,6 +26,7 @@ the stall report names it first.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 
 
@@ -66,6 +67,40 @@ def process_state(pid: int) -> ProcessState:
     # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses itself.
     letter = text[text.rfind(")") + 2:][:1]
     return _STATE_LETTERS.get(letter, ProcessState.RUNNING)
+
+
+PF_EXITING = 0x4  # a flag of /proc/PID/stat: the process is in its exit
+
+
+def exit_under_way(pid: int) -> int | None:
+    """The exit code of process `pid` where it has called `exit` itself and the kernel is
+    still taking it down (unmapping its memory: ~10 ms for a process forked from one with
+    torch imported); None where it has not, was killed by a signal, or its state cannot
+    be read (not Linux). The code is the kernel's: it set it before taking the memory down."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return exit_code_in_stat(stat.read().decode(errors="replace"))
+    except OSError:
+        return None
+
+
+def exit_code_in_stat(stat: str) -> int | None:
+    """`exit_under_way`, from the text of /proc/PID/stat: its flags (field 9) and its exit
+    code (field 52, as `waitpid` reports it).
+
+    >>> fields = ["R"] + ["0"] * 49
+    >>> fields[6], fields[49] = str(PF_EXITING), str(3 << 8)
+    >>> exit_code_in_stat("42 (python (rank)) " + " ".join(fields))
+    3
+    >>> fields[49] = "9"  # killed by SIGKILL: its reaping says more (the OOM killer's doing?)
+    >>> exit_code_in_stat("42 (python) " + " ".join(fields)) is None
+    True
+    """
+    fields = stat[stat.rfind(")") + 2:].split()
+    if len(fields) < 50 or not int(fields[6]) & PF_EXITING:
+        return None
+    status = int(fields[49])
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else None
 
 
 def report_interval_s(peer_timeout_s: float) -> float:

@@ -15,7 +15,7 @@ Who sends what:
     rank ──► rank 0      Announcement  (negotiation over TCP when the cache cannot answer,
     rank 0 ──► ranks     Decision       up and down a binomial tree: `runtime/lockstep.py`)
     driver ──► factory   ForkRank      (the local rank factory, over its stdin and stdout:
-    factory ──► driver   RankForked, RankWrote, RankState, RankReaped   `rank/factory.py`)
+    factory ──► driver   RankForked, RankWrote, RankState, RankExited   `rank/factory.py`)
     driver ──► pool rank FormRing, RunCell, CancelCell, Pull, Probe   (a pool, `rank/cells.py`:
     pool rank ──► driver CellEnded, Pulled, ProbeReply                 after Start, cell by cell)
 
@@ -384,8 +384,10 @@ class RankState:
 
 
 @dataclass(frozen=True, slots=True)
-class RankReaped:
-    """The rank `pid` ended, and everything it wrote was sent before this."""
+class RankExited:
+    """The rank `pid` ended, and everything it wrote was sent before this: sent as soon as it
+    exits on its own with its output closed (the kernel then still takes its memory down),
+    else when the factory reaps it."""
 
     pid: int
     returncode: int
