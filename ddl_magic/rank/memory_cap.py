@@ -31,6 +31,7 @@ CONTROLLER = "/sys/fs/cgroup/memory"
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 MMAP_THRESHOLD = 1 << 20
 _KILLED_BY_THE_OOM_KILLER = re.compile(rb"out of memory: Killed process (\d+) ")
+SYSLOG_ACTION_READ_ALL, SYSLOG_ACTION_SIZE_BUFFER = 3, 10  # klogctl(2)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -95,6 +96,11 @@ def cgroup_of(pid: int) -> str:
     return os.path.join(CONTROLLER, f"ddl_magic-rank-{pid}")
 
 
+def is_capped(pid: int) -> bool:
+    """Is the rank `pid` in a memory cgroup of its own (`--memory-per-rank`)?"""
+    return os.path.isdir(cgroup_of(pid))
+
+
 def cap_this_process(limit: int) -> None:
     """Put this process (a freshly forked rank) in a memory cgroup of its own, limited to
     `limit` bytes. Its children go with it.
@@ -138,7 +144,7 @@ def out_of_memory(pid: int, returncode: int, peak_rss: int, oom_kills_before: in
     its cgroup removed. `peak_rss`: its peak resident bytes; `oom_kills_before`: the
     machine's count when it started."""
     path = cgroup_of(pid)
-    capped = os.path.isdir(path)
+    capped = is_capped(pid)
     limit = oom_kills = charged = 0
     if capped:
         limit = int(_read(os.path.join(path, "memory.limit_in_bytes")) or 0)
@@ -157,12 +163,12 @@ def out_of_memory(pid: int, returncode: int, peak_rss: int, oom_kills_before: in
                 f"{format_size(limit)} (--memory-per-rank){peak}, of which "
                 f"{format_size(charged)} counted against the cap (the rest is torch's memory, "
                 "shared with the process the rank was forked from)")
-    if capped:
+    if capped or machine_oom_kills() == oom_kills_before:  # (no OOM kill at all: at once)
         return ""
     named_in_the_log = killed_by_the_oom_killer(pid)
     if named_in_the_log:
         return f"out of memory: killed by the kernel's OOM killer, the machine being out of memory{peak}"
-    if named_in_the_log is None and machine_oom_kills() > oom_kills_before:
+    if named_in_the_log is None:
         return ("killed by SIGKILL while the kernel's OOM killer was killing processes on this "
                 f"machine: probably out of memory{peak}")
     return ""
@@ -170,31 +176,21 @@ def out_of_memory(pid: int, returncode: int, peak_rss: int, oom_kills_before: in
 
 def killed_by_the_oom_killer(pid: int) -> bool | None:
     """Whether the kernel's log says its OOM killer killed `pid`; None where this process
-    cannot tell: the log is not readable here, or this process is in a pid namespace (the log
-    names pids as the kernel's first namespace numbers them)."""
+    cannot tell: the log is not readable here (`klogctl` needs root or CAP_SYSLOG), or this
+    process is in a pid namespace (the log names pids as the kernel's first namespace
+    numbers them). One call reads the whole log (as `dmesg` does)."""
     if len(_read("/proc/self/status").partition("NSpid:")[2].split("\n")[0].split()) > 1:
         return None
     try:
-        log = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
+        klogctl = ctypes.CDLL(None, use_errno=True).klogctl
+    except (OSError, AttributeError):  # not Linux's C library
         return None
-    victims = set()
-    try:
-        while True:
-            try:
-                record = os.read(log, 8192)
-            except BlockingIOError:  # the end of the log
-                break
-            except BrokenPipeError:  # the kernel overwrote the record being read: go on
-                continue
-            if not record:
-                break
-            victims.update(int(pid) for pid in _KILLED_BY_THE_OOM_KILLER.findall(record))
-    except OSError:
+    size = klogctl(SYSLOG_ACTION_SIZE_BUFFER, None, 0)
+    log = ctypes.create_string_buffer(max(size, 0))
+    length = klogctl(SYSLOG_ACTION_READ_ALL, log, size) if size > 0 else -1
+    if length < 0:
         return None
-    finally:
-        os.close(log)
-    return pid in victims
+    return pid in {int(victim) for victim in _KILLED_BY_THE_OOM_KILLER.findall(log.raw[:length])}
 
 
 def _read(path: str) -> str:
