@@ -34,7 +34,7 @@ a rank closes its output as its last act before `os._exit`; when both its pipes 
 factory reads the rank's state from the kernel, which has set its exit code before taking its
 memory down, and reports its exit (`RankExited`) without waiting for the reaping. A rank
 killed by a signal is reported when reaped: its peak memory and the OOM killer's word come
-from that.
+from that; so is a rank in a memory cgroup of its own, which its reaping removes.
 
 The factory is also the judge of whether a rank is alive (`liveness.py`): it reads each
 rank's state from the kernel every `STATE_POLL_S` and reports changes, so a rank that holds
@@ -372,7 +372,9 @@ def _report_exits_under_way(output_ended: dict[int, float], states: dict[int, Pr
     the exit of those that have not exited in time (their reaping says)."""
     now = time.monotonic()
     for pid, until in list(output_ended.items()):
-        code = exit_under_way(pid)
+        # (a capped rank waits for its reaping, which removes its memory cgroup: reported
+        # before, the run, and the factory with it, could end first and leave the cgroup)
+        code = None if memory_cap.is_capped(pid) else exit_under_way(pid)
         if code is not None:
             write_frame(1, RankExited(pid, code))
             exit_reported.add(pid)
