@@ -123,7 +123,12 @@ class Elastic:
             # It returned before it saw the world end: it left the ring, and will not ask.
             self._round.lose(event.rank, "it had returned before the reset")
         if isinstance(event, ProcessExited):
-            if ((event.rank in self._starting or event.rank in self._ready)
+            if event.rank in self._reset_before_exit:
+                # the lost process's exit, come after its world re-formed (before anything of
+                # its replacement: that one's registration forgets it)
+                self._tell_reset_better(*self._reset_before_exit.pop(event.rank),
+                                        event.out_of_memory or describe_exit(event.returncode))
+            elif ((event.rank in self._starting or event.rank in self._ready)
                     and event.rank not in self._exit_pending):
                 # the replacement died before it was part of a world
                 self._starting.discard(event.rank)
@@ -134,9 +139,6 @@ class Elastic:
                 # a lost process's exit status says more than its closed connection
                 self._round.tell_better(event.rank, event.out_of_memory
                                         or describe_exit(event.returncode))
-            elif event.rank in self._reset_before_exit:  # ... also after its world re-formed
-                self._tell_reset_better(*self._reset_before_exit.pop(event.rank),
-                                        event.out_of_memory or describe_exit(event.returncode))
             self._exit_pending.discard(event.rank)
             self._vanished.discard(event.rank)
         return False
