@@ -104,7 +104,7 @@ class _CellLoop:
         self._lock = threading.Lock()
         self._running: int | None = None  # the epoch of the running cell
         self._stop_reason: str | None = None  # why the running cell is being stopped
-        self._stopped_early: set[int] = set()  # cells stopped before they started here
+        self._stopped_early: dict[int, str] = {}  # cells stopped before they started here: why
         self._ended = threading.Event()  # the running cell ended
         self._in_cell_code = False  # the main thread runs the cell's own code (not its report)
 
@@ -135,7 +135,7 @@ class _CellLoop:
     def _stop(self, epoch: int, reason: str) -> None:
         with self._lock:
             if self._running != epoch:
-                self._stopped_early.add(epoch)  # not started yet (or already over)
+                self._stopped_early[epoch] = reason  # not started yet (or already over)
                 return
             self._stop_reason = reason
         context.abort(CollectiveAbortedError(f"the cell was stopped: {reason}"))
@@ -188,15 +188,14 @@ class _CellLoop:
 
     def _run_cell(self, cell: RunCell) -> None:
         with self._lock:
-            if cell.epoch in self._stopped_early:
-                self._stopped_early.discard(cell.epoch)
-                stopped_before = True
-            else:
-                stopped_before = False
+            stopped_before = self._stopped_early.pop(cell.epoch, None)
+            if stopped_before is None:
                 self._running, self._stop_reason = cell.epoch, None
                 self._ended.clear()
-        if stopped_before:
-            self._end(cell.epoch, self._stopped("the cell was stopped before it started"))
+        if stopped_before is not None:  # its log says why, as a rank stopped in the cell's code
+            self._end(cell.epoch, self._stopped(
+                "the cell was stopped before it started",
+                f"the cell was stopped before it started here: {stopped_before}\n"))
             return
         if cell.only_ranks is not None:
             context.refuse_collectives(CollectiveRefusedError(
