@@ -76,7 +76,9 @@ def exit_under_way(pid: int) -> int | None:
     """The exit code of process `pid` where it has called `exit` itself and the kernel is
     still taking it down (unmapping its memory: ~10 ms for a process forked from one with
     torch imported); None where it has not, was killed by a signal, or its state cannot
-    be read (not Linux). The code is the kernel's: it set it before taking the memory down."""
+    be read (not Linux). The code is the kernel's: it set it before taking the memory down.
+    (The kernel shows it only to a reader allowed to trace the process, else 0: a rank, a
+    fork of ours with our credentials, is, unless it made itself non-dumpable.)"""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return exit_code_in_stat(stat.read().decode(errors="replace"))
