@@ -10,7 +10,8 @@ import time
 import pytest
 
 from ddl_magic.wire.liveness import (PF_EXITING, LivenessWatch, ProcessState, Verdict,
-                                    exit_code_in_stat, exit_under_way, process_state)
+                                    exit_code_in_stat, exit_under_way,
+                                    fields_after_command, process_state)
 
 TIMEOUT_S = 10.0
 LIMIT_S = TIMEOUT_S - TIMEOUT_S / 8  # a stop began up to one report interval before it was seen
@@ -128,18 +129,18 @@ def test_a_process_name_with_spaces_and_parentheses_is_read_past():
         process.wait(timeout=10)
 
 
-def stat_line(command: str, flags: int, status: int) -> str:
+def stat_fields(command: str, flags: int, status: int) -> list[str]:
     fields = ["R"] + ["0"] * 49
     fields[6], fields[49] = str(flags), str(status)
-    return f"42 ({command}) " + " ".join(fields)
+    return fields_after_command(f"42 ({command}) " + " ".join(fields))
 
 
 def test_an_exit_under_way_is_read_with_its_code_and_a_signal_death_is_left_to_the_reaping():
-    assert exit_code_in_stat(stat_line("python (rank) 1", PF_EXITING, 3 << 8)) == 3
-    assert exit_code_in_stat(stat_line("python", PF_EXITING, 0)) == 0
-    assert exit_code_in_stat(stat_line("python", PF_EXITING, signal.SIGKILL)) is None
-    assert exit_code_in_stat(stat_line("python", 0, 0)) is None  # not exiting: running
-    assert exit_code_in_stat("42 (python) R 1 2") is None  # a kernel older than 3.5
+    assert exit_code_in_stat(stat_fields("python (rank) 1", PF_EXITING, 3 << 8)) == 3
+    assert exit_code_in_stat(stat_fields("python", PF_EXITING, 0)) == 0
+    assert exit_code_in_stat(stat_fields("python", PF_EXITING, signal.SIGKILL)) is None
+    assert exit_code_in_stat(stat_fields("python", 0, 0)) is None  # not exiting: running
+    assert exit_code_in_stat(fields_after_command("42 (python) R 1 2")) is None  # kernel < 3.5
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert exit_under_way(child.pid) is None  # alive

@@ -58,15 +58,24 @@ def process_state(pid: int) -> ProcessState:
     exit is seen there, not a stop.
     """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read().decode(errors="replace")
+        fields = _stat_fields(pid)
     except FileNotFoundError:
         return ProcessState.GONE
     except OSError:
         return ProcessState.RUNNING
-    # "PID (COMMAND) STATE ...": the command may hold spaces and parentheses itself.
-    letter = text[text.rfind(")") + 2:][:1]
-    return _STATE_LETTERS.get(letter, ProcessState.RUNNING)
+    return _STATE_LETTERS.get(fields[0] if fields else "", ProcessState.RUNNING)
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat from its state on (field 3), the command skipped."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        return fields_after_command(stat.read().decode(errors="replace"))
+
+
+def fields_after_command(stat: str) -> list[str]:
+    """'PID (COMMAND) STATE ...' -> ['STATE', ...]: the command may hold spaces and
+    parentheses itself, so it ends at the last ')'."""
+    return stat[stat.rfind(")") + 2:].split()
 
 
 PF_EXITING = 0x4  # a flag of /proc/PID/stat: the process is in its exit
@@ -80,25 +89,23 @@ def exit_under_way(pid: int) -> int | None:
     (The kernel shows it only to a reader allowed to trace the process, else 0: a rank, a
     fork of ours with our credentials, is, unless it made itself non-dumpable.)"""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return exit_code_in_stat(stat.read().decode(errors="replace"))
+        return exit_code_in_stat(_stat_fields(pid))
     except OSError:
         return None
 
 
-def exit_code_in_stat(stat: str) -> int | None:
-    """`exit_under_way`, from the text of /proc/PID/stat: its flags (field 9) and its exit
-    code (field 52, as `waitpid` reports it).
+def exit_code_in_stat(fields: list[str]) -> int | None:
+    """`exit_under_way`, from the fields of /proc/PID/stat (`fields_after_command`): its
+    flags (field 9) and its exit code (field 52, as `waitpid` reports it).
 
     >>> fields = ["R"] + ["0"] * 49
     >>> fields[6], fields[49] = str(PF_EXITING), str(3 << 8)
-    >>> exit_code_in_stat("42 (python (rank)) " + " ".join(fields))
+    >>> exit_code_in_stat(fields)
     3
     >>> fields[49] = "9"  # killed by SIGKILL: its reaping says more (the OOM killer's doing?)
-    >>> exit_code_in_stat("42 (python) " + " ".join(fields)) is None
+    >>> exit_code_in_stat(fields) is None
     True
     """
-    fields = stat[stat.rfind(")") + 2:].split()
     if len(fields) < 50 or not int(fields[6]) & PF_EXITING:
         return None
     status = int(fields[49])
