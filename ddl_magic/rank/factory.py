@@ -226,7 +226,10 @@ def serve(tied: bool = False) -> None:
             if fd in streams:
                 pid = streams[fd].pid
                 _forward(streams, fd, until_empty=False)
-                if pid in states and not any(s.pid == pid for s in streams.values()):
+                # (a capped rank waits for its reaping, which removes its memory cgroup:
+                # reported before, the run, and the factory with it, could end first)
+                if (pid in states and not any(s.pid == pid for s in streams.values())
+                        and not memory_cap.is_capped(pid)):
                     output_ended[pid] = time.monotonic() + EXIT_POLL_FOR_S
         _report_exits_under_way(output_ended, states, exit_reported)
         if child_exits_r in readable:
@@ -372,9 +375,7 @@ def _report_exits_under_way(output_ended: dict[int, float], states: dict[int, Pr
     the exit of those that have not exited in time (their reaping says)."""
     now = time.monotonic()
     for pid, until in list(output_ended.items()):
-        # (a capped rank waits for its reaping, which removes its memory cgroup: reported
-        # before, the run, and the factory with it, could end first and leave the cgroup)
-        code = None if memory_cap.is_capped(pid) else exit_under_way(pid)
+        code = exit_under_way(pid)
         if code is not None:
             write_frame(1, RankExited(pid, code))
             exit_reported.add(pid)
