@@ -208,6 +208,7 @@ class HostMemoryStandingInForGpu:
     here: 'exported' as a memfd, 'opened' through /proc, every fence counted."""
 
     refusing = threading.local()  # .now: the calling thread's export fails
+    round_bytes = shared_memory.BUFFER_BYTES  # as the GPU's buffers take whole rounds
 
     def __init__(self, device, regions, own_fd, opened):
         self.device, self.regions, self.own_fd, self.fences = device, regions, own_fd, 0

@@ -28,10 +28,20 @@ from ... import kernels
 
 BUFFER_BYTES = 8 << 20
 """Bytes per data buffer: a larger collective runs as several rounds, alternating buffers."""
+HOST_ROUND_BYTES = 2 << 20
+"""Bytes a round of a large host collective moves through a rank's buffer. Smaller than the
+buffer, so that the rounds' buffers stay in the CPU's caches while the tensors stream through
+memory: with 8 MiB rounds, two ranks' alternating buffers filled a 32 MiB L3 and a 64 MiB
+allreduce at np 2 ran at 6.5 GB/s of bus bandwidth; with 2 MiB rounds, at 10.2 GB/s
+(`benchmarks/allreduce.py`). The buffer stays larger for the data a negotiation round
+carries (`collectives.ATTACHABLE_BYTES`), which is one round whatever its size."""
 
 
 class PeerMemory(Protocol):
     """Every local rank's two data buffers of one kind of memory, by local index."""
+
+    round_bytes: int
+    """The most bytes one round of a collective moves through a buffer."""
 
     def view(self, index: int, buffer: int, dtype: torch.dtype, numel: int,
              offset: int = 0) -> torch.Tensor:
@@ -49,6 +59,7 @@ class HostMemory:
     """
 
     VIEWS_KEPT = 1024
+    round_bytes = HOST_ROUND_BYTES
 
     def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]):
         self._buffers = buffers  # per local rank: its two uint8 buffers
@@ -78,6 +89,8 @@ class CudaIpcMemory:
     GPUs of the host read each other's memory directly). Nothing is written to the file
     system, so a killed rank leaves nothing behind; the driver releases its memory.
     """
+
+    round_bytes = BUFFER_BYTES  # on a GPU a round's fixed cost is a kernel launch and a fence
 
     def __init__(self, device: torch.device, regions: list[torch.Tensor], own_pointer: int,
                  opened: list[int]):

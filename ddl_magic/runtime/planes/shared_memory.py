@@ -243,7 +243,7 @@ class HostGroup:
         before the parts are gathered, so the result is reduced over every rank of the run.
         """
         memory, reduce = self._memory_of(buffer), self._reducer(op, buffer)
-        for piece in self._pieces(buffer):
+        for piece in self._pieces(buffer, memory):
             if across_hosts is None and piece.numel() * piece.element_size() <= SMALL_BYTES:
                 self._reduce_everywhere(memory, piece, reduce)
             else:
@@ -255,7 +255,7 @@ class HostGroup:
         each rank's buffer is left as it was)."""
         memory, reduce = self._memory_of(buffer), self._reducer(op, buffer)
         own_start, own_end = parts[self.index]
-        per_round = BUFFER_BYTES // buffer.element_size()
+        per_round = memory.round_bytes // buffer.element_size()
         for piece_start in range(0, buffer.numel(), per_round):
             piece = buffer[piece_start:piece_start + per_round]
             start = min(max(own_start - piece_start, 0), piece.numel())  # my part, in this piece
@@ -275,7 +275,7 @@ class HostGroup:
         """`blocks[i]` is local rank i's block (this rank's filled in): fill in the others."""
         mine = blocks[self.index]
         memory = self._memory_of(mine)
-        per_round = BUFFER_BYTES // mine.element_size()
+        per_round = memory.round_bytes // mine.element_size()
         longest = max(block.numel() for block in blocks)
         for start in range(0, max(longest, 1), per_round):
             buffer = self._next_buffer()
@@ -289,7 +289,7 @@ class HostGroup:
     def broadcast(self, buffer: torch.Tensor, root_index: int) -> None:
         """Copy local rank `root_index`'s `buffer` to every rank of the host."""
         memory = self._memory_of(buffer)
-        for piece in self._pieces(buffer):
+        for piece in self._pieces(buffer, memory):
             round_buffer = self._next_buffer()
             if self.index == root_index:
                 memory.view(self.index, round_buffer, piece.dtype, piece.numel()).copy_(piece)
@@ -480,8 +480,8 @@ class HostGroup:
                   f"not exchanged through CUDA IPC: {problems[0]}", file=sys.stderr, flush=True)
         return None
 
-    def _pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        per_round = BUFFER_BYTES // buffer.element_size()
+    def _pieces(self, buffer: torch.Tensor, memory: PeerMemory) -> list[torch.Tensor]:
+        per_round = memory.round_bytes // buffer.element_size()
         return [buffer[start:start + per_round] for start in range(0, buffer.numel(), per_round)]
 
     def _next_buffer(self) -> int:
