@@ -34,7 +34,8 @@ buffer, so that the rounds' buffers stay in the CPU's caches while the tensors s
 memory: with 8 MiB rounds, two ranks' alternating buffers filled a 32 MiB L3 and a 64 MiB
 allreduce at np 2 ran at 6.5 GB/s of bus bandwidth; with 2 MiB rounds, at 10.2 GB/s
 (`benchmarks/allreduce.py`). The buffer stays larger for the data a negotiation round
-carries (`collectives.ATTACHABLE_BYTES`), which is one round whatever its size."""
+carries (`collectives.ATTACHABLE_BYTES`), which is one round whatever its size, and for a
+hierarchical allreduce's rounds, each of which waits for a collective across the network."""
 
 
 class PeerMemory(Protocol):

@@ -241,9 +241,12 @@ class HostGroup:
         Hierarchical allreduce: with `across_hosts`, each rank hands its part of the host's
         reduction to it (which reduces it with the same part on the other hosts, in place)
         before the parts are gathered, so the result is reduced over every rank of the run.
+        Its rounds are whole buffers: each round waits for a collective across the network,
+        whose latency counts for more than the caches do.
         """
         memory, reduce = self._memory_of(buffer), self._reducer(op, buffer)
-        for piece in self._pieces(buffer, memory):
+        round_bytes = memory.round_bytes if across_hosts is None else BUFFER_BYTES
+        for piece in self._pieces(buffer, round_bytes):
             if across_hosts is None and piece.numel() * piece.element_size() <= SMALL_BYTES:
                 self._reduce_everywhere(memory, piece, reduce)
             else:
@@ -289,7 +292,7 @@ class HostGroup:
     def broadcast(self, buffer: torch.Tensor, root_index: int) -> None:
         """Copy local rank `root_index`'s `buffer` to every rank of the host."""
         memory = self._memory_of(buffer)
-        for piece in self._pieces(buffer, memory):
+        for piece in self._pieces(buffer, memory.round_bytes):
             round_buffer = self._next_buffer()
             if self.index == root_index:
                 memory.view(self.index, round_buffer, piece.dtype, piece.numel()).copy_(piece)
@@ -480,8 +483,8 @@ class HostGroup:
                   f"not exchanged through CUDA IPC: {problems[0]}", file=sys.stderr, flush=True)
         return None
 
-    def _pieces(self, buffer: torch.Tensor, memory: PeerMemory) -> list[torch.Tensor]:
-        per_round = memory.round_bytes // buffer.element_size()
+    def _pieces(self, buffer: torch.Tensor, round_bytes: int) -> list[torch.Tensor]:
+        per_round = round_bytes // buffer.element_size()
         return [buffer[start:start + per_round] for start in range(0, buffer.numel(), per_round)]
 
     def _next_buffer(self) -> int:
