@@ -39,8 +39,8 @@ neighbour, so its latency is that of a chunk's journey round the ring, one hop i
 ranks-per-host crossing hosts, while every step's bytes cross the host links (2 x 2 shows
 this; on one-rank hosts every hop crosses). γ is measured here (a torch add); α, β, κ and c
 are fitted on 1 x 2, 2 x 1, 4 x 1 and 2 x 2, and 4 x 2 is predicted from them; a second fit
-on all five configurations says how well the model's form fits every cell. `--refit` does the fitting and checking
-again from a saved run's JSON, without root.
+on all five configurations says how well the model's form fits every cell. `--refit` does
+the fitting and checking again from a saved run's JSON, without root.
 
 Everything created is deleted on every exit path. The machine's load average is printed and
 saved: other processes on 2 cores make every number noisier.
@@ -301,16 +301,15 @@ def steps(algorithm: str, nbytes: int, host_count: int, per_host: int) -> list[t
     size = host_count * per_host
     if size == 1:
         return []
+    networked = host_count > 1
     if algorithm == "ring":
         chunk = int(nbytes / size)
         hops = 2 * (size - 1)
-        networked = host_count > 1
         crossing = round(hops * host_count / size) if networked else 0
         return ([(True, networked, chunk, 0, chunk)] * crossing
                 + [(False, networked, chunk, 0, chunk)] * (hops - crossing))
     largest = 1 << (size.bit_length() - 1)
     fold = size > largest
-    networked = host_count > 1
     result = [(networked, networked, nbytes, nbytes, nbytes)] if fold else []
     distance = 1
     while distance < largest:
