@@ -97,6 +97,29 @@ def check_grouped_allreduce(hvd):
     return [] if ok else [str(results)]
 
 
+def check_fusion_of_large_tensors(hvd):
+    """Fused tensors large enough to be reduced straight into their outputs, cut between the
+    ranks' parts at odd places; and small ones with them, through the fusion buffer."""
+    failures = []
+    shapes = {"large": [(40_001,), (70_003,), (300, 301)],  # 800 KB: parts end inside tensors
+              "two of 64 KiB": [(16_384,), (128, 128)],  # every rank reduces all of it
+              "large and small": [(90_001,), (1,), (7,), (3, 5)]}  # through the fusion buffer
+    for what, group in shapes.items():
+        for dtype, op_name, op, scales in ((torch.float32, "sum", hvd.Sum, (0.5, 4.0)),
+                                           (torch.float64, "average", hvd.Average, (1.0, 1.0)),
+                                           (torch.int32, "average", hvd.Average, (1.0, 1.0))):
+            inputs = [rank_input(hvd.rank(), torch.Size(shape).numel(), dtype, op_name).view(shape)
+                      for shape in group]
+            results = hvd.grouped_allreduce(inputs, op=op, prescale_factor=scales[0],
+                                            postscale_factor=scales[1])
+            for shape, result in zip(group, results):
+                numel = torch.Size(shape).numel()
+                expected = expected_reduction(hvd.size(), numel, dtype, op_name) * scales[0] * scales[1]
+                if result.shape != shape or not close(result.view(-1), expected, dtype):
+                    failures.append(f"{what}, {op_name} {dtype}, {shape}: {result.view(-1)[:4].tolist()}")
+    return failures
+
+
 def horovod_rows(rows, rank, size):
     """Rank `rank`'s rows of a reducescatter: the first `rows % size` ranks get one more."""
     base, extra = divmod(rows, size)
@@ -262,6 +285,7 @@ def check_topology(hvd):
 
 
 CHECKS = [check_allreduce, check_allreduce_in_place_and_scaling, check_fusion_of_many_small_tensors,
+          check_fusion_of_large_tensors,
           check_async_in_rank_dependent_order, check_grouped_allreduce, check_reducescatter,
           check_alltoall, check_allgather,
           check_broadcast, check_objects_and_barrier, check_mismatch_names_the_tensor_and_ranks,

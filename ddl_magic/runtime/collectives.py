@@ -42,6 +42,9 @@ TIMELINE_NAMES_LISTED = 16
 _REDUCE_OPS = {int(op): op for op in ReduceOp}  # a dict lookup: ReduceOp(n) costs a microsecond
 ATTACHABLE_BYTES = BUFFER_BYTES - MESSAGE_BYTES
 """The most data that can ride on a negotiation round (see `CollectiveRunner.attachable`)."""
+UNPACKED_ENTRY_BYTES = 64 << 10
+"""Attached entries averaging this many bytes are reduced straight into their outputs: a
+copy per entry then costs less than unpacking a fusion buffer (a training step's buckets)."""
 
 
 class CollectiveRunner:
@@ -109,24 +112,29 @@ class CollectiveRunner:
 
     def run_attached(self, entries: list[Entry]) -> None:
         """Run the allreduce of `entries`, whose data every rank attached to the last
-        negotiation round, and write the results into their outputs."""
+        negotiation round, and write the results into their outputs.
+
+        Large entries are reduced straight into their outputs; many small ones into the
+        fusion buffer, unpacked in one call (a copy per entry would cost more than the bytes).
+        """
         request = entries[0].request
         op, postscale = self._prepare_allreduce(entries)
         numel = sum(e.tensor.numel() for e in entries)
         nbytes = numel * request.dtype.itemsize
-        output = entries[0].output
-        alone = len(entries) == 1 and _is_host_contiguous(output)
-        if alone:  # reduced straight into its output
-            reduced = output if output.dim() == 1 else output.view(-1)
-        else:
-            reduced = self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
-        with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
-            self._lockstep.allreduce_attached(reduced, op.kernel_name)
-        if alone:
-            _scale(reduced, postscale)
+        outputs = [e.output for e in entries]
+        if (len(entries) == 1 or nbytes >= len(entries) * UNPACKED_ENTRY_BYTES) \
+                and all(map(_is_host_contiguous, outputs)):
+            flat = [output if output.dim() == 1 else output.view(-1) for output in outputs]
+            with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
+                self._lockstep.allreduce_attached(flat, op.kernel_name)
+            for output in flat:
+                _scale(output, postscale)
             return
+        reduced = self._fusion_buffer(request.dtype, numel, torch.device("cpu"))
+        with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
+            self._lockstep.allreduce_attached([reduced], op.kernel_name)
         with _span(entries, nbytes, "unpack"):  # host outputs, as the tensors are
-            kernels.unpack(reduced, [e.output for e in entries], postscale)
+            kernels.unpack(reduced, outputs, postscale)
 
     # ---- the collectives ----------------------------------------------------------------
 

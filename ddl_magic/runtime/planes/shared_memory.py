@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import mmap
 import os
 import select
@@ -73,7 +74,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -337,23 +338,28 @@ class HostGroup:
             self._attached_to = None  # later rounds of this exchange reused the buffer
         return [bytes(data) for data in received]
 
-    def allreduce_attached(self, out: torch.Tensor, op: str) -> None:
-        """Reduce into the 1-D host tensor `out` what every rank attached to the last
-        `exchange`: `out.numel()` elements of its dtype, at the start of each payload area.
+    def allreduce_attached(self, outputs: Sequence[torch.Tensor], op: str) -> None:
+        """Reduce what every rank attached to the last `exchange` into the 1-D host tensors
+        `outputs`, of one dtype: their elements end to end, at the start of each payload area.
 
         Call it right after that exchange, before anything else runs a round: the round
         after next may overwrite the attached data. Small data is reduced by every rank over
         all payloads (no further wait); large data in place, each rank its part in its own
-        payload area, which the others copy out after one more phase.
+        payload area, which the others copy out, straight into the outputs it overlaps,
+        after one more phase.
         """
         buffer, self._attached_to = self._attached_to, None
         if buffer is None:
             raise RuntimeError("allreduce_attached: the last exchange carried no attached data")
-        numel, dtype, reduce = out.numel(), out.dtype, self._reducer(op, out)
+        dtype, reduce = outputs[0].dtype, self._reducer(op, outputs[0])
+        starts = list(itertools.accumulate((output.numel() for output in outputs), initial=0))
+        numel = starts[-1]
         attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
                     for index in range(self.size)]
         if numel * dtype.itemsize <= SMALL_BYTES:
-            _reduce_in_rank_order(out, attached, reduce)
+            for output, start in zip(outputs, starts):
+                _reduce_in_rank_order(output, [data[start:start + output.numel()] for data in attached],
+                                      reduce)
             return
         parts = chunk_bounds(numel, self.size)
         start, end = parts[self.index]
@@ -361,8 +367,12 @@ class HostGroup:
         for index in self._others:
             reduce(reduced, attached[index][start:end])
         self._publish_and_wait(self.memory)
-        for index, (part_start, part_end) in enumerate(parts):
-            out[part_start:part_end].copy_(attached[index][part_start:part_end])
+        for output, output_start in zip(outputs, starts):
+            output_end = output_start + output.numel()
+            for index, (part_start, part_end) in enumerate(parts):
+                low, high = max(output_start, part_start), min(output_end, part_end)
+                if low < high:
+                    output[low - output_start:high - output_start].copy_(attached[index][low:high])
 
     def gpu_memory(self, device: torch.device) -> CudaIpcMemory | None:
         """The ranks' GPU buffers, this rank's on `device` (the first GPU a collective of
