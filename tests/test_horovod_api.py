@@ -328,6 +328,21 @@ def check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count(hvd):
     return failures
 
 
+def check_work_nobody_waits_for_completes(hvd):
+    """An async allreduce that no rank waits for still runs (on its own background thread,
+    whether or not the rank has a core to spare for overlapping), and poll() sees it done."""
+    import time
+
+    handle = hvd.allreduce_async(torch.ones(4), name="nobody.waits", op=hvd.Sum)
+    deadline = time.monotonic() + 30
+    while not hvd.poll(handle) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not hvd.poll(handle):
+        return ["an allreduce nobody waited for was still pending after 30 s"]
+    result = hvd.synchronize(handle)
+    return [] if result.tolist() == [float(hvd.size())] * 4 else [f"nobody.waits: {result}"]
+
+
 # The last check leaves the ranks' unnamed calls out of step until it inits again: keep it last.
 CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_grouped_allgather_gradient, check_grouped_allreduce_forms,
@@ -335,7 +350,7 @@ CHECKS = [check_capabilities, check_is_homogeneous, check_grouped_allgather,
           check_broadcast_optimizer_state_fills_missing_gradients,
           check_sparse_gradients_and_sparse_allreduce,
           check_step_after_synchronize_warns_and_parameter_names, check_reducescatter,
-          check_failed_calls_leave_nothing_behind,
+          check_failed_calls_leave_nothing_behind, check_work_nobody_waits_for_completes,
           check_diverged_unnamed_calls_are_explained_and_init_restarts_the_count]
 
 

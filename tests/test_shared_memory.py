@@ -20,6 +20,7 @@ import torch
 from ddl_magic.driver.job import Job, JobOptions
 from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.launch.local import LocalLauncher
+from ddl_magic.runtime.op_queue_shm import has_core_to_spare
 from ddl_magic.runtime.planes import shared_memory
 from ddl_magic.runtime.errors import PeerLostError
 from ddl_magic.runtime.world import Peer, World
@@ -300,3 +301,12 @@ def test_gpu_buffers_that_one_rank_cannot_map_leave_every_rank_on_host_memory(st
     assert "staged through host memory" in capfd.readouterr().err
     for group in groups:
         group.close()
+
+
+def test_a_rank_overlaps_collectives_with_its_computation_only_on_a_core_to_spare():
+    assert has_core_to_spare(ranks_on_host=1, cores=2, compute_threads=1)
+    assert has_core_to_spare(ranks_on_host=2, cores=4, compute_threads=1)
+    assert not has_core_to_spare(ranks_on_host=2, cores=3, compute_threads=1)
+    assert not has_core_to_spare(ranks_on_host=2, cores=2, compute_threads=1)  # this CI machine
+    assert not has_core_to_spare(ranks_on_host=4, cores=16, compute_threads=4)
+    assert has_core_to_spare(ranks_on_host=4, cores=20, compute_threads=4)

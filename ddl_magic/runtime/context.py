@@ -15,11 +15,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from . import rendezvous
 from .collectives import CollectiveRunner
 from .errors import NotInitializedError
 from .op_queue import OpQueue
-from .op_queue_shm import SharedMemoryOpQueue
+from .op_queue_shm import SharedMemoryOpQueue, has_core_to_spare
 from .op_queue_tcp import TcpOpQueue
 from .planes import choose_plane
 from .planes.tcp import RingTransport
@@ -150,9 +152,13 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
                          connections.device_group, settings.allreduce_algorithm)
     runner = CollectiveRunner(plane, world.rank, world.size)
     if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
+        # Every rank of the run on this host computes (a process set's ring shares the host's
+        # cores with the run's other ranks).
+        ranks_on_host = max(world.local_size, _runtime.world.local_size if _runtime else 0)
+        overlap = has_core_to_spare(ranks_on_host, len(os.sched_getaffinity(0)), torch.get_num_threads())
         queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,
                                              settings.cycle_time_s, settings.stall_time_s,
-                                             settings.timeout_s)
+                                             settings.timeout_s, overlap)
     else:
         queue = TcpOpQueue(runner, connections.ring, settings.fusion_threshold,
                            settings.cycle_time_s, settings.stall_time_s)
