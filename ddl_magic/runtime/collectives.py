@@ -121,9 +121,16 @@ class CollectiveRunner:
         op, postscale = self._prepare_allreduce(entries)
         numel = sum(e.tensor.numel() for e in entries)
         nbytes = numel * request.dtype.itemsize
+        if len(entries) == 1:
+            output = entries[0].output
+            if _is_host_contiguous(output):  # reduced straight into its output
+                flat = output if output.dim() == 1 else output.view(-1)
+                with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
+                    self._lockstep.allreduce_attached((flat,), op.kernel_name)
+                _scale(flat, postscale)
+                return
         outputs = [e.output for e in entries]
-        if (len(entries) == 1 or nbytes >= len(entries) * UNPACKED_ENTRY_BYTES) \
-                and all(map(_is_host_contiguous, outputs)):
+        if nbytes >= len(entries) * UNPACKED_ENTRY_BYTES and all(map(_is_host_contiguous, outputs)):
             flat = [output if output.dim() == 1 else output.view(-1) for output in outputs]
             with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
                 self._lockstep.allreduce_attached(flat, op.kernel_name)

@@ -352,11 +352,16 @@ class HostGroup:
         if buffer is None:
             raise RuntimeError("allreduce_attached: the last exchange carried no attached data")
         dtype, reduce = outputs[0].dtype, self._reducer(op, outputs[0])
-        starts = list(itertools.accumulate((output.numel() for output in outputs), initial=0))
+        # (A small step's one output is the whole payload: no offsets, no views of views.)
+        starts = [0, outputs[0].numel()] if len(outputs) == 1 else \
+            list(itertools.accumulate((output.numel() for output in outputs), initial=0))
         numel = starts[-1]
         attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
                     for index in range(self.size)]
         if numel * dtype.itemsize <= SMALL_BYTES:
+            if len(outputs) == 1:
+                _reduce_in_rank_order(outputs[0], attached, reduce)
+                return
             for output, start in zip(outputs, starts):
                 _reduce_in_rank_order(output, [data[start:start + output.numel()] for data in attached],
                                       reduce)
