@@ -7,7 +7,8 @@ At construction the parameters are grouped into buckets, each owning one flat bu
 hook on every parameter notes when autograd has accumulated its gradient; when the last
 parameter of a bucket has reported, the bucket's gradients are copied into its buffer and
 one in-place allreduce of the whole buffer starts, so the last layers' buckets travel while
-autograd is still computing the first layers'. `step()` starts the buckets that are still
+autograd is still computing the first layers' (within one host, where the rank has a core to
+spare for it: `op_queue_shm.has_core_to_spare`). `step()` starts the buckets that are still
 waiting (for parameters this rank did not use), waits for every bucket, copies the averages
 back into each `param.grad` and runs the wrapped optimizer.
 """
