@@ -38,6 +38,9 @@ def every_kind_of_collective(steps: int) -> None:
             # least once: a negotiation cycle could fall between the two submissions), large
             # enough for the ring over TCP; the loss is small enough for recursive doubling.
             hvd.grouped_allreduce([torch.ones(2_000_000), torch.ones(1_000)], name=f"grads.{step}")
+            # Small tensors fused: unpacked from the fusion buffer on shared memory too, where
+            # large ones are reduced straight into their outputs.
+            hvd.grouped_allreduce([torch.ones(10), torch.ones(20)], name=f"biases.{step}")
             hvd.allreduce(torch.ones(1), name=f"loss.{step}")
         hvd.allgather(torch.ones(2, 3), name=f"shapes.{step}")
         hvd.broadcast(torch.ones(10), root_rank=0, name=f"weights.{step}")
