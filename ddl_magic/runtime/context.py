@@ -153,7 +153,8 @@ def _runtime_over(world: World, connections: rendezvous.Connections,
     runner = CollectiveRunner(plane, world.rank, world.size)
     if plane.lockstep_group is not None:  # one host: negotiate in lockstep through it too
         # Every rank of the run on this host computes (a process set's ring shares the host's
-        # cores with the run's other ranks).
+        # cores with the run's other ranks). Torch's threads are read here, on the user's
+        # thread: OpenMP keeps them per thread, and the queue's own thread would see its own.
         ranks_on_host = max(world.local_size, _runtime.world.local_size if _runtime else 0)
         overlap = has_core_to_spare(ranks_on_host, len(os.sched_getaffinity(0)), torch.get_num_threads())
         queue: OpQueue = SharedMemoryOpQueue(runner, plane.lockstep_group, settings.fusion_threshold,
