@@ -30,6 +30,18 @@ def test_responses_follow_readiness_order_not_submission_order():
     assert [r.names for r in c.take_cycle(now=1).responses] == [("b",), ("a",)]
 
 
+def test_the_ranks_waiting_for_a_cycle_are_those_with_a_name_outstanding_or_joined():
+    c = coordinator(size=4)
+    assert c.ranks_waiting() == set()
+    c.submit(1, [allreduce("a")], now=0)
+    c.submit(2, [allreduce("a"), allreduce("b")], now=0)
+    assert c.ranks_waiting() == {1, 2}
+    c.submit(3, [Request("join", "join", torch.uint8, ())], now=0)
+    assert c.ranks_waiting() == {1, 2, 3}
+    c.submit(0, [allreduce("a"), allreduce("b")], now=0)
+    c.take_cycle(now=1, flush=True)  # a ran, with the joined rank's zeros; b waits for rank 1
+    assert c.ranks_waiting() == {0, 2, 3}  # rank 1 alone waits for nothing: it is busy
+
 def test_cycle_window_holds_ready_tensors_unless_someone_waits():
     c = coordinator(cycle=0.5)
     c.submit(0, [allreduce("a")], now=0)

@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -198,6 +199,39 @@ def test_messages_longer_than_a_buffer_are_exchanged_in_several_rounds():
 
     assert on_both(groups, allreduce) == [[3.0] * 10, [3.0] * 10]
     for group in groups:
+        group.close()
+
+
+
+def _rung_within(group: shared_memory.HostGroup, seen: int, seconds: float) -> bool:
+    """Does `group`'s doorbell move past `seen` within `seconds`?"""
+    deadline = time.monotonic() + seconds
+    while group.own.doorbell == seen and time.monotonic() < deadline:
+        group.sleep_on_doorbell(seen, deadline - time.monotonic())
+    return group.own.doorbell != seen
+
+
+@pytest.mark.parametrize("waits_for_a_round", [True, False])
+def test_a_round_rings_a_neighbour_that_waits_for_one_at_once_and_a_busy_one_after_a_slice(
+        monkeypatch, waits_for_a_round):
+    # A neighbour with collectives outstanding sleeps until rung; a busy one (nothing
+    # outstanding) comes by itself when its user next waits, and a ring would only make its
+    # background thread announce that it has nothing.
+    monkeypatch.setattr(shared_memory, "SLEEP_SLICE_S", 30.0)  # no slice ends in this test
+    starter, late = group_pair()
+    seen = late.own.doorbell
+    results: list = []
+    asleep = (late.index,) if waits_for_a_round else ()
+    thread = threading.Thread(target=lambda: results.append(starter.exchange(b"start", None, asleep)),
+                              daemon=True)
+    thread.start()
+    shared_memory.futex.wait(starter.own.progress_address, 0, 10.0)  # it has published
+    assert starter.own.progress == 1
+    assert _rung_within(late, seen, 10.0 if waits_for_a_round else 0.3) is waits_for_a_round
+    assert late.exchange(b"late") == [b"start", b"late"]
+    thread.join(timeout=10)
+    assert results == [[b"start", b"late"]]
+    for group in (starter, late):
         group.close()
 
 

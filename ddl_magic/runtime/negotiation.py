@@ -247,6 +247,20 @@ class Coordinator:
         """Do some names wait here for ranks that have not submitted them (or joined)?"""
         return bool(self._submitted) or bool(self._joined)
 
+    def ranks_waiting(self) -> set[int]:
+        """The ranks that wait for the next cycle: each has submitted a name that has not run,
+        or has joined (ranks counted 0..size-1).
+
+        >>> coordinator = Coordinator((0, 1, 2), 1 << 20, 0.001, 60.0)
+        >>> coordinator.submit(1, [Request("grad", "allreduce", torch.float32, (4,))], now=0.0)
+        >>> coordinator.ranks_waiting()
+        {1}
+        """
+        waiting = set(self._joined)
+        for by_rank in self._submitted.values():
+            waiting.update(by_rank)
+        return waiting
+
     def note_waited(self, names: list[str]) -> None:
         """Some rank is blocked in synchronize() on these names: don't hold them for fusion."""
         self._waited.update(names)

@@ -21,8 +21,14 @@ cycle is one that wants it:
    the work to the user's own wait, which fuses it with what follows (a training step's
    first gradient bucket and its last), and runs it only when nobody has waited for
    `_MAX_WINDOWS` cycle times;
-3. a rank that starts a cycle rings the doorbells of the neighbours that have not, so an
-   idle rank joins at once;
+3. a rank that starts a cycle rings the doorbells of the neighbours that have not and wait
+   for one (they have requests outstanding: asleep, in all likelihood), so they join at once;
+   a neighbour that waits for nothing is busy computing, and its own thread comes when its
+   user next submits and waits. It is rung only after a slice: woken early, its background
+   thread would only announce that it has nothing, taking the core from its user, after
+   which both ranks would sleep and be woken once more. (SyncBatchNorm's synthetic ResNet at
+   np 2 spent 5-6 ms a step that way, between the last rank's arrival at a layer's allreduce
+   and its end, against 2.2 ms since: `benchmarks/sync_batch_norm.py`.)
 4. the cycle's round carries data: each rank attaches the data of what it has pending when
    that makes one allreduce that fits, and when the cycle runs exactly that first, it runs
    from there, without a round of its own (a training step's allreduce costs one round,
@@ -231,7 +237,9 @@ class SharedMemoryOpQueue(OpQueue):
                 attach = functools.partial(self._runner.attach, carried, nbytes=nbytes)
             elif offer is not None:  # no room after the message: say so, attach nothing
                 mine = pickle.dumps((announced, closing, None), protocol=pickle.HIGHEST_PROTOCOL)
-            everyone = [pickle.loads(message) for message in self._group.exchange(mine, attach)]
+            asleep = self._replica.ranks_waiting()  # their threads wait for this round: ring them now
+            everyone = [pickle.loads(message)
+                        for message in self._group.exchange(mine, attach, asleep)]
             gone = [rank for rank, (_, rank_closing, _) in enumerate(everyone) if rank_closing]
             if gone:
                 raise HorovodInternalError(

@@ -54,8 +54,9 @@ that dies, by SIGKILL or otherwise, becomes `PeerLostError` within a slice; no w
 unbounded.
 
 Doorbell. An idle rank sleeps on its doorbell word; a neighbour that starts something the
-idle rank must take part in (a negotiation cycle) rings it, and so does the rank's own
-user thread when it submits work for the background thread.
+idle rank must take part in (a negotiation cycle) rings it, at once if the idle rank waits
+for one and after a slice if not (see `exchange`), and so does the rank's own user thread
+when it submits work for the background thread.
 
 Memory ordering. The counter is written after the data and read before it. x86-64 keeps
 stores in order and loads in order (TSO), which is what this relies on; on other machines
@@ -74,7 +75,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -301,14 +302,20 @@ class HostGroup:
             if self.index != root_index:
                 piece.copy_(memory.view(root_index, round_buffer, piece.dtype, piece.numel()))
 
-    def exchange(self, message: bytes,
-                 attach: Callable[[Payload], None] | None = None) -> list[bytes]:
+    def exchange(self, message: bytes, attach: Callable[[Payload], None] | None = None,
+                 asleep: Collection[int] = ()) -> list[bytes]:
         """Every local rank's `message`, in local-rank order: one round (more if one is huge).
 
         `attach(payload)` fills this rank's payload area before the round is published (the
         host buffer after its first `MESSAGE_BYTES`; `payload(dtype, numel)` views it), only
-        with a message that fits before it: see `allreduce_attached`. Neighbours that have not
-        started this round yet have their doorbells rung, so an idle one joins at once.
+        with a message that fits before it: see `allreduce_attached`.
+
+        Neighbours that have not started this round have their doorbells rung: at once the
+        ones in `asleep` (local indices of ranks that wait for a round, their thread most
+        likely asleep on the doorbell), the others after a slice. A rank that waits for
+        nothing is busy, and its own thread comes when its user next waits: woken sooner, its
+        background thread would only announce that it has nothing, taking the GIL and the
+        core from the user, and the round this rank needs would still be the next one.
         """
         if attach is not None and len(message) > MESSAGE_ROOM:
             raise ValueError(f"a message of {len(message)} bytes leaves no room to attach data")
@@ -322,7 +329,8 @@ class HostGroup:
             if attach is not None:
                 attach(functools.partial(self.memory.view, self.index, buffer, offset=MESSAGE_BYTES))
                 attach = None
-            self._publish_and_wait(self.memory, ring_late_neighbours=True)
+            self._publish_and_wait(self.memory, asleep)
+            asleep = ()  # (rung once: the later rounds of a huge message follow at once)
             if not lengths:
                 lengths = [segment.message_length(buffer) for segment in self.segments]
                 self._attached_to = buffer
@@ -507,30 +515,31 @@ class HostGroup:
 
     # ---- synchronisation -------------------------------------------------------------------
 
-    def _publish_and_wait(self, memory: PeerMemory, ring_late_neighbours: bool = False) -> None:
+    def _publish_and_wait(self, memory: PeerMemory, asleep: Collection[int] | None = None) -> None:
         """End a phase: tell the neighbours, then wait until each has ended it too. (The
-        `memory` the phase moved data through is fenced first: see `peer_memory.py`.)"""
+        `memory` the phase moved data through is fenced first: see `peer_memory.py`.)
+
+        `asleep` (a negotiation round, see `exchange`): ring those late neighbours' doorbells
+        now, and every late neighbour's after a slice."""
         memory.fence()
         target = self.own.publish()
         deadline = time.monotonic() + self.op_timeout
+        if asleep:
+            for index, neighbour in zip(self._others, self.neighbours):
+                if index in asleep and neighbour.segment.progress < target:
+                    neighbour.segment.ring()
         for neighbour in self.neighbours:
             if neighbour.segment.progress < target:
-                self._wait_for(neighbour, target, deadline, ring_late_neighbours)
+                self._wait_for(neighbour, target, deadline, ring_after_a_slice=asleep is not None)
 
-    def _wait_for(self, neighbour: Neighbour, target: int, deadline: float, ring: bool) -> None:
-        """Spin, then (`ring`: after ringing its doorbell) sleep until `neighbour` reaches `target`.
-
-        The doorbell is rung only once the spin is over: in a training loop the neighbour's
-        own thread is on its way, and a ring would wake its background thread for nothing,
-        to take the GIL from the thread that is about to join.
-        """
+    def _wait_for(self, neighbour: Neighbour, target: int, deadline: float,
+                  ring_after_a_slice: bool) -> None:
+        """Spin, then sleep until `neighbour` reaches `target`."""
         segment = neighbour.segment
         spin_until = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_until:
             if segment.progress >= target:
                 return
-        if ring:
-            segment.ring()
         while True:
             seen = segment.progress
             if seen >= target:
@@ -545,6 +554,9 @@ class HostGroup:
             if time.monotonic() > deadline:
                 raise self._lost(neighbour, f"timed out after {self.op_timeout:.0f} s "
                                             "in a shared-memory collective")
+            if ring_after_a_slice:
+                segment.ring()
+                ring_after_a_slice = False
 
     def _lost(self, neighbour: Neighbour, what: str) -> PeerLostError:
         return PeerLostError(self.world.run_ranks[neighbour.rank],
