@@ -9,7 +9,8 @@ Both sides of a comparison run the same rank function shape, started two ways:
 - ``run_gloo(fn, np, **kwargs)``: ranks spawned with ``torch.multiprocessing``, each joining a
   ``torch.distributed`` gloo group on 127.0.0.1 before ``fn`` runs.
 
-Every rank uses one torch thread, and times itself: after a barrier it times each iteration
+Every rank uses one torch thread and the memory allocator settings of ddl_magic's ranks
+(``rank/allocator.py``; the gloo ranks set them too), and times itself: after a barrier it times each iteration
 on its own, and the report takes the slowest rank's median (``slowest_rank``). Comparisons
 are repeated with the sides interleaved (``interleaved``), and the least disturbed repeat of
 each side is reported (``best_of``): the machine may be shared with other work.
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ddl_magic.rank import allocator
 
 RESULTS_DIR = Path(__file__).parent / "results"
 RANK_TIMEOUT_S = 300.0  # a gloo rank that takes longer than this is taken to be hung
@@ -146,6 +149,9 @@ def free_port() -> int:
 
 def _gloo_rank(rank: int, np: int, port: int, fn, kwargs: dict, results: mp.Queue) -> None:
     try:
+        # The memory allocator ddl_magic's ranks run with (`rank/allocator.py`): a comparison
+        # is of the runtimes, not of how often glibc hands tensors' pages back to the kernel.
+        allocator.keep_freed_memory()
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=np)

@@ -1,6 +1,7 @@
 """A pool (`%horovod start`) in a real IPython kernel, cell by cell, as a user runs it: ranks
 that keep their state and ring between cells, and survive what they can."""
 
+import ast
 import os
 import re
 import time
@@ -90,6 +91,20 @@ def test_state_stays_on_the_ranks_between_cells(pool):
     out = _cell(pool, "%%horovod --all-ranks --quiet\n(steps, type(model).__name__)")
     assert out.result == "[(1, 'Linear'), (1, 'Linear')]"
 
+
+RESIDENT = "int(open('/proc/self/statm').read().split()[1]) * 4096"
+
+
+def test_a_rank_hands_back_after_each_cell_what_the_cell_freed(pool):
+    # Within a cell, freed tensors stay with the rank for the next step (rank/allocator.py);
+    # an idle pool holds on to none of it.
+    within = _cell(pool, "%%horovod --all-ranks --quiet\nimport torch\n"
+                         "blocks = [torch.ones(1 << 20) for _ in range(20)]\n"  # 80 MiB, touched
+                         f"full = {RESIDENT}\ndel blocks\n(full, {RESIDENT})")
+    after = _cell(pool, f"%%horovod --all-ranks --quiet\n{RESIDENT}")
+    for (full, freed), later in zip(ast.literal_eval(within.result), ast.literal_eval(after.result)):
+        assert freed > full - (8 << 20), (full, freed)
+        assert later < full - (60 << 20), (full, later)
 
 def test_notebook_names_are_sent_each_cell_but_never_over_the_ranks_own(pool):
     _cell(pool, "lr = 0.1\nw = 'the notebook w'")

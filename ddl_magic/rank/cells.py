@@ -57,6 +57,7 @@ from ..wire.channel import ABORTED_EXIT_CODE, Channel, PeerClosedError
 from ..wire.messages import (CELL_END_MARK, Abort, CancelCell, CellEnded, Failed, FailureKind,
                              Finished, FormRing, Probe, ProbeReply, Pull, Pulled, RunCell)
 from ..wire.tasks import CellTask
+from . import allocator
 
 # A stopped cell waiting in a collective ends at once, with the error saying why; one busy
 # elsewhere is interrupted after this long. Then again every INTERRUPT_AGAIN_S (it caught the
@@ -217,6 +218,7 @@ class _CellLoop:
         elif outcome is None:
             outcome = self._stopped("interrupted")
         self._end(cell.epoch, outcome)
+        allocator.give_back()  # what the cell freed: nobody waits for a step until the next one
 
     def _call(self, task_bytes: bytes):
         self._in_cell_code = True

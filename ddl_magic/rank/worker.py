@@ -47,7 +47,7 @@ from ..wire.messages import (Abort, AskNextWorld, ClockProbe, Failed, FailureKin
                              HostsUpdated, NextWorld, Output, Register, RunCannotGoOn, Start, TimelineEvents,
                              TimelineStart)
 from ..wire.output_lines import forward_lines
-from . import memory_cap
+from . import allocator, memory_cap
 from .environment import rank_environment, reserve_port
 
 TEST_HOSTS_VARIABLE = "DDL_MAGIC_TEST_HOSTS"
@@ -94,6 +94,8 @@ def run_rank(control_address: tuple[str, int], rank: int, secret: bytes,
     os.environ.update(settings.env)
     if memory_cap.VARIABLE in settings.env:  # before anything of the user's runs
         memory_cap.cap_this_process(int(settings.env[memory_cap.VARIABLE]))
+    else:
+        allocator.keep_freed_memory()
     os.environ.update(rank_environment(derive_world(rank, peers), torch_master, settings.run_id,
                                        settings.restart_count, settings.max_restarts))
     context.bootstrap = context.RankBootstrap(rank, peers, secret, listener, _DriverLink(channel))
