@@ -10,8 +10,9 @@ Both sides of a comparison run the same rank function shape, started two ways:
   ``torch.distributed`` gloo group on 127.0.0.1 before ``fn`` runs.
 
 Every rank uses one torch thread and the memory allocator settings of ddl_magic's ranks
-(``rank/allocator.py``; the gloo ranks set them too), and times itself: after a barrier it times each iteration
-on its own, and the report takes the slowest rank's median (``slowest_rank``). Comparisons
+(``rank/allocator.py``; the gloo ranks set them too), and times itself: after a barrier it
+times each iteration on its own, and the report takes the slowest rank's median
+(``slowest_rank``). Comparisons
 are repeated with the sides interleaved (``interleaved``), and the least disturbed repeat of
 each side is reported (``best_of``): the machine may be shared with other work.
 """

@@ -19,19 +19,21 @@ CPU launcher (`torch.backends.xeon.run_cpu`) does by preloading jemalloc or tcma
 up to `HEAP_BLOCKS_UP_TO` come from the heap, and up to `KEPT_AT_THE_TOP` of freed heap
 stays with the process. What it keeps is bounded by that, and a pool's rank hands it back
 after every cell (`give_back`), when nobody waits for a step. A rank with a memory cap
-returns large blocks at once instead (`memory_cap.py`): there, memory held counts against
-the cap. `DDL_MAGIC_KEEP_FREED_MEMORY=0` leaves glibc's thresholds as they are. Elsewhere
+returns large blocks at once instead (`return_large_blocks_when_freed`, from
+`memory_cap.py`): there, memory held counts against the cap. `DDL_MAGIC_KEEP_FREED_MEMORY=0` leaves glibc's thresholds as they are. Elsewhere
 than glibc (musl, macOS) the allocator is left alone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 VARIABLE = "DDL_MAGIC_KEEP_FREED_MEMORY"
 HEAP_BLOCKS_UP_TO = 32 << 20  # glibc's own ceiling for its moving mmap threshold on 64-bit
 KEPT_AT_THE_TOP = 256 << 20
+RETURNED_FROM = 1 << 20  # under a memory cap: every block over this is mmapped, returned when freed
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt(3)
 
 
@@ -45,6 +47,14 @@ def keep_freed_memory() -> bool:
             and libc.mallopt(_M_TRIM_THRESHOLD, KEPT_AT_THE_TOP) == 1)
 
 
+def return_large_blocks_when_freed() -> None:
+    """Serve every block over `RETURNED_FROM` with mmap, so that freeing it returns it to the
+    kernel at once (a rank under a memory cap: see `memory_cap.cap_this_process`)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, RETURNED_FROM)
+
+
 def give_back() -> None:
     """Return the freed memory this process keeps to the kernel (between a pool's cells)."""
     libc = _glibc()
@@ -52,6 +62,7 @@ def give_back() -> None:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _glibc():
     try:
         libc = ctypes.CDLL(None)

@@ -26,10 +26,10 @@ import os
 import re
 import signal
 
+from . import allocator
+
 VARIABLE = "DDL_MAGIC_MEMORY_PER_RANK"
 CONTROLLER = "/sys/fs/cgroup/memory"
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 1 << 20
 _KILLED_BY_THE_OOM_KILLER = re.compile(rb"out of memory: Killed process (\d+) ")
 SYSLOG_ACTION_READ_ALL, SYSLOG_ACTION_SIZE_BUFFER = 3, 10  # klogctl(2)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -116,15 +116,7 @@ def cap_this_process(limit: int) -> None:
     os.mkdir(path)
     _write(os.path.join(path, "memory.limit_in_bytes"), str(limit))
     _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
-    _return_large_blocks_when_freed()
-
-
-def _return_large_blocks_when_freed() -> None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):  # not glibc: its allocator is its own
-        pass
+    allocator.return_large_blocks_when_freed()
 
 
 def machine_oom_kills() -> int:
