@@ -6,7 +6,6 @@ nothing left on disk after a SIGKILLed rank or a killed kernel."""
 import os
 import signal
 import textwrap
-import time
 
 import numpy as np
 import pandas as pd
@@ -19,6 +18,7 @@ from ddl_magic.data import Data
 from ddl_magic.frontends import ddlrun
 from ddl_magic.frontends.data_options import shares_for_run
 from kernel import Kernel
+from share_files import held_share_files, none_held_within
 
 
 def _frame(rows: int) -> pd.DataFrame:
@@ -193,26 +193,12 @@ def hold_then_die(train):
     hvd.barrier()
 
 
-def _open_share_files(folder) -> list[str]:
-    """Share files (unlinked) in `folder` that some process on this machine still holds."""
-    held = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(os.path.join(str(folder), "ddl_magic-share-")):
-                    held.append(f"{pid}: {target}")
-        except OSError:
-            continue
-    return held
-
-
 def test_nothing_left_on_disk_after_a_sigkilled_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("DDL_MAGIC_SHARE_DIR", str(tmp_path))
     with pytest.raises(RankFailedError, match="SIGKILL"):
         HorovodRunner(np=-2).run(hold_then_die, train=_frame(100))
     assert os.listdir(tmp_path) == []  # the files never had a name there
-    assert _open_share_files(tmp_path) == []
+    assert held_share_files(tmp_path) == []
 
 
 @pytest.fixture(scope="module")
@@ -257,9 +243,8 @@ def test_the_magic_gives_a_cell_its_data_and_a_pool_keeps_it_across_cells(kernel
 def test_a_killed_kernel_leaves_no_share_behind(kernel, shares_folder):
     started = kernel.run("%horovod start -np 2 --local --data train=df")
     assert started.error is None, started.error
-    assert _open_share_files(shares_folder)  # the ranks hold their shares
+    assert held_share_files(shares_folder)  # the ranks hold their shares
     os.kill(kernel.manager.provisioner.process.pid, signal.SIGKILL)
-    end = time.monotonic() + 10  # the ranks exit once their control connection closes
-    while _open_share_files(shares_folder) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert _open_share_files(shares_folder) == [] and os.listdir(shares_folder) == []
+    # the ranks exit once their control connection closes
+    assert none_held_within(shares_folder, timeout_s=10) == []
+    assert os.listdir(shares_folder) == []

@@ -1,6 +1,8 @@
 """A Spark DataFrame given to a run reaches every rank as its share, written by the rank's own
 barrier task beside it: on a real local SparkSession, classic and Spark Connect."""
 
+import os
+import re
 import sys
 
 import pytest
@@ -8,9 +10,11 @@ from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions
 
 import ddl_magic
-from ddl_magic import HorovodRunner
+from ddl_magic import HorovodRunner, RankFailedError
 from ddl_magic.driver.capture import capture_cell
 from ddl_magic.launch.spark_shares import partition_keys, spark_hash_long
+
+from share_files import none_held_within
 from spark_sessions import classic_only, connect_only, no_spark_job_active, sent_by_value
 
 
@@ -63,13 +67,66 @@ def test_spark_hash_partitioning_sends_each_key_to_its_rank(spark):
     (lambda df: df.withColumn("nested", functions.array(functions.array(functions.lit(1.0)))),
      TypeError, r"column 'nested' is array<array<double>>"),
     (lambda df: df.withColumn("maybe", functions.when(functions.col("id") > 2, 1.0)), ValueError,
-     r"train: columns with nulls \(or null elements\): 'maybe' \(3 rows\)"),
+     r"train: columns with nulls: 'maybe' \(3 rows\)"),
 ])
 def test_bad_input_is_refused_before_any_rank_starts(spark, change, error, message):
     before = ddl_magic.last_run()
     with pytest.raises(error, match=message):
         HorovodRunner(np=2).run(read_twice, train=change(numbered(spark, 20, 2)), val=None)
     assert ddl_magic.last_run() is before, "a rank was started"
+
+
+def test_null_elements_of_an_array_are_refused_on_every_rank_before_the_first_step(spark):
+    """Not counted before launch (a pass over every value): the tasks writing the shares count
+    them from Arrow, and the ranks refuse them alike, with their counts, before a step."""
+    classic_only(spark, "the ranks' refusal is the same behind either session")
+    holes = numbered(spark, 20, 2).withColumn("pair", functions.array(
+        functions.when(functions.col("id") > 2, functions.lit(1.0)).cast("float"),
+        functions.lit(1.0).cast("float")))
+    with pytest.raises(RankFailedError) as failure:
+        HorovodRunner(np=2).run(read_twice, train=holes, val=None)
+    assert re.search(r"dataset 'train': column 'pair' has 3 nulls \(rank \d: [123]",
+                     failure.value.traceback), failure.value.traceback
+    assert no_spark_job_active()
+
+
+def hold_then_die(train, told):
+    """Each rank writes down the share files it holds (`…/ddl_magic-share-… (deleted)`), then
+    rank 1 is SIGKILLed while rank 0 waits for it."""
+    import os
+    import signal
+
+    import ddl_magic.torch as hvd
+
+    hvd.init()
+    train.file()
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    with open(told, "a") as written:
+        written.writelines(f"{link}\n" for link in links if "ddl_magic-share-" in link)
+    hvd.barrier()
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.barrier()
+
+
+def test_nothing_left_on_disk_after_a_sigkilled_rank_on_spark(spark, tmp_path):
+    """The tasks write the shares into Spark's local folder, as files with no name: once the
+    run has failed, no process holds one and the folder holds none."""
+    classic_only(spark, "the tasks and their files are the same behind either session")
+    told = tmp_path / "held"
+    with pytest.raises(RankFailedError, match="SIGKILL"):
+        HorovodRunner(np=2).run(hold_then_die, train=numbered(spark, 40, 2), told=str(told))
+    held = set(told.read_text().splitlines())  # a rank may hold its share more than once
+    assert len(held) == 2 and all(link.endswith(" (deleted)") for link in held), held
+    for folder in {os.path.dirname(link) for link in held}:
+        assert none_held_within(folder, timeout_s=30) == []
+        assert not [name for name in os.listdir(folder) if name.startswith("ddl_magic-share-")]
+    assert no_spark_job_active()
 
 
 def test_an_elastic_run_on_spark_is_refused_a_dataframe_saying_what_to_do(spark):
