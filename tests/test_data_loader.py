@@ -135,6 +135,23 @@ def test_share_file_reads_a_row_range(table):
     os.close(writer.fd)
 
 
+def test_room_for_a_share_is_set_aside_before_it_is_written_and_its_size_left_alone(tmp_path):
+    import shutil
+
+    from ddl_magic.data.share_file import _fallocate, reserve, unlinked_file
+
+    if _fallocate() is None:
+        pytest.skip("no fallocate here: nothing is set aside, the writes allocate as they come")
+    fd = unlinked_file(str(tmp_path))
+    try:
+        assert reserve(fd, 8 << 20)
+        assert os.fstat(fd).st_size == 0, "the reader maps the file's size: it must be the rows'"
+        assert os.fstat(fd).st_blocks * 512 >= 8 << 20
+        assert not reserve(fd, shutil.disk_usage(tmp_path).free + (1 << 30))
+    finally:
+        os.close(fd)
+
+
 def test_a_share_that_does_not_fit_the_disk_names_host_folder_bytes_and_free_space(tmp_path):
     import socket
 

@@ -16,7 +16,9 @@ memory allows, which makes the next epoch fast).
 from __future__ import annotations
 
 import copy
+import ctypes
 import errno
+import functools
 import mmap
 import os
 import shutil
@@ -127,6 +129,8 @@ class ShareWriter:
         if first and self._expected_rows:
             needed = batch.nbytes * self._expected_rows // batch.num_rows
             if needed > shutil.disk_usage(self.directory).free + self.summary.bytes:
+                raise self._disk_full(needed)
+            if not reserve(self.fd, needed):
                 raise self._disk_full(needed)
 
     def finish(self) -> ShareSummary:
@@ -283,11 +287,42 @@ def width_span(column: pyarrow.Array) -> tuple[int, int]:
     return int(widths.min()), int(widths.max())
 
 
+def reserve(fd: int, size: int) -> bool:
+    """Have the file system set `size` bytes aside for the file behind `fd` before it is
+    written (Linux `fallocate`, its size unchanged); False if there is no room for them.
+
+    A file system that allocates as the writes come (ext4's delayed allocation) writes a
+    share of a gigabyte or more 2 to 10 times slower than into room set aside at once
+    (measured on ext4: 0.7-3.4 s against 0.16 s for 1.6 GB). Where the call is missing or
+    the file system cannot do it, nothing is set aside and the writes allocate as before."""
+    if size <= 0 or _fallocate() is None:
+        return True
+    if _fallocate()(fd, _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        return True
+    return ctypes.get_errno() != errno.ENOSPC
+
+
+_FALLOC_FL_KEEP_SIZE = 1  # linux/falloc.h: set room aside, leave the size as it is
+
+
+@functools.cache
+def _fallocate():
+    """libc's `fallocate`, or None where there is none (not Linux)."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return function
+
+
 def _file_sink(fd: int) -> pyarrow.NativeFile:
-    """A writable Arrow file over descriptor `fd`, positioned at its start."""
+    """A writable Arrow file over descriptor `fd`'s empty file. Opened to append, not to
+    truncate: ext4 writes a truncated file's pages to disk as it is closed (its guard for
+    files replaced by truncation), which took 0.3-0.4 s of each 1.6 GB share here."""
     proc_path = f"/proc/self/fd/{fd}"
     if os.path.exists(proc_path):
-        return pyarrow.OSFile(proc_path, "wb")
+        return pyarrow.OSFile(proc_path, "ab")
     return pyarrow.PythonFile(os.fdopen(os.dup(fd), "wb"), mode="w")
 
 
