@@ -61,7 +61,7 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
     except (ImportError, OSError):
         relay = None  # the rank forwards its own output; this task reports in the row it returns
 
-    def run_rank(extra_env=None, extra_fds=(), while_it_starts=None):
+    def run_rank(extra_env=None, extra_fds=()):
         from ddl_magic.rank.factory_client import signal_rank_group
         from ddl_magic.rank.spark_task import rank_factory_for_this_task
         from ddl_magic.wire.liveness import process_state
@@ -102,8 +102,6 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
                 for fd in extra_fds:  # the rank's now
                     os.close(fd)
             try:
-                if while_it_starts is not None:
-                    while_it_starts()
                 # Every report interval, tell the driver the state the kernel gives the rank's
                 # process: from this thread, which the rank's own Python cannot starve.
                 reporting = relay is not None
@@ -134,22 +132,23 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
             f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
             "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
     else:
-        if shares:  # written while the rank starts; it waits for the word on a pipe
+        if shares:  # it waits for the word on a pipe
             from ddl_magic.rank.task_shares import TaskShares
 
             written = TaskShares(shares, rank)
             ready_read, ready_write = os.pipe()
-            unsaid = [ready_write]  # `write` closes it when it has said its word
-
-            def write_shares():
-                written.write(batches, unsaid.pop())
-
+            # Written from the moment the task starts: while a cold worker's factory imports
+            # torch, then while the rank does. The partition's batches are read by this thread
+            # alone, and it is joined before the task returns its row.
+            writing = threading.Thread(target=written.write, args=(batches, ready_write),
+                                       name="ddl-write-shares", daemon=True)
+            writing.start()
             try:
-                returncode, output = run_rank(
-                    written.environment(ready_read), (ready_read, *written.fds), write_shares)
+                returncode, output = run_rank(written.environment(ready_read),
+                                              (ready_read, *written.fds))
             finally:
-                for fd in unsaid:  # the rank could not start: nobody waits for the word
-                    os.close(fd)
+                written.stop()  # a rank that ended (or never started) reads no more rows
+                writing.join()
                 written.close()
         else:
             returncode, output = run_rank()

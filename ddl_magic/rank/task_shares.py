@@ -3,8 +3,9 @@
 When a run is given Spark DataFrames (`launch/spark_shares.py`), its barrier stage runs
 over them, one partition per rank. Each task creates one share file per dataset on its
 executor's local disk (files with no name: `data/share_file.py`), starts its rank with their
-descriptors, and while the rank imports torch and builds its model, writes the rows Spark
-hands it into them, then says on a pipe that they are complete (or why they are not). The
+descriptors, and from its first moment (while a cold worker's rank factory imports torch,
+then while the rank builds its model) writes the rows Spark hands it into them, in a thread
+of its own, then says on a pipe that they are complete (or why they are not). The
 rank's `Share` maps its file when first used (`data/sources.py`). Rows go from the executors
 to the ranks without passing through the driver, and nothing is left on disk once the rank
 and its task are gone, however they end.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable
 
 import pyarrow
@@ -33,6 +35,7 @@ class TaskShares:
             ShareWriter(pyarrow.ipc.read_schema(pyarrow.py_buffer(schema)),
                         expected_rows=expected, what=f"rank {rank}'s share of {name!r}")
             for name, schema, expected in zip(self.names, plan["schemas"], plan["expected_rows"])]
+        self._stopped = threading.Event()
 
     @property
     def fds(self) -> tuple[int, ...]:
@@ -47,9 +50,12 @@ class TaskShares:
     def write(self, batches: Iterable[pyarrow.RecordBatch], ready_fd: int) -> None:
         """Write the partition's rows (`mapInArrow`'s batches of the keyed union) into the
         datasets' files, then tell the rank on `ready_fd`, and close it: `{"rows": {...}}`,
-        or `{"error": why}` (the rank raises it when it reads the share)."""
+        or `{"error": why}` (the rank raises it when it reads the share). Returns early,
+        between two batches, once `stop()` was called."""
         try:
             for batch in batches:
+                if self._stopped.is_set():
+                    raise RuntimeError("the rank ended before its shares were written")
                 self._route(batch)
             said = {"rows": {name: writer.finish().rows
                              for name, writer in zip(self.names, self.writers)}}
@@ -57,6 +63,10 @@ class TaskShares:
             said = {"error": f"{type(exc).__name__}: {exc}"}
         with os.fdopen(ready_fd, "wb") as ready:
             ready.write(json.dumps(said).encode())
+
+    def stop(self) -> None:
+        """Have `write` (in another thread) stop at its next batch: the rank is gone."""
+        self._stopped.set()
 
     def close(self) -> None:
         """Close what the task still holds of the files (their descriptors went to the rank,
