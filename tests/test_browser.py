@@ -322,15 +322,16 @@ def test_the_readmes_jupyterlab_command_as_root_and_as_a_user(tmp_path):
                                  env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")})
         assert refused.returncode != 0 and "--allow-root" in refused.stderr, refused.stderr[-2000:]
         assert "--allow-root" in one_block_context("notebook")
-        as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        # (setpriv's own exec may still pass where the user's next one is refused: try both)
-        execs_again = "import os, sys; os.execv(sys.executable, [sys.executable, '-c', ''])"
-        if subprocess.run([*as_user, sys.executable, "-c", execs_again], capture_output=True, timeout=30).returncode:
-            pytest.skip(f"refused as root, as the README says; {sys.executable} cannot run as a user "
-                        "here (its interpreter is private to root), so the user's half is not tried")
     # A folder the user owns (pytest's are private to root), removed at the end.
     home = Path(tempfile.mkdtemp(prefix="ddl-magic-lab-user-"))
     try:
+        if os.geteuid() == 0:
+            as_user = as_a_user_who_can_run(sys.executable, home / "hidden")
+            # (setpriv's own exec may still pass where the user's next one is refused: try both)
+            execs_again = "import os, sys; os.execv(sys.executable, [sys.executable, '-c', ''])"
+            if subprocess.run([*as_user, sys.executable, "-c", execs_again], capture_output=True, timeout=30).returncode:
+                pytest.skip(f"refused as root, as the README says; {sys.executable} cannot run as a "
+                            "user here, so the user's half is not tried")
         folder = clone_of_the_labs(home / "clone")
         if as_user:
             subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(home)], check=True, timeout=30)
@@ -360,6 +361,29 @@ def test_the_readmes_jupyterlab_command_as_root_and_as_a_user(tmp_path):
                 server.wait()
     finally:
         shutil.rmtree(home, ignore_errors=True)
+
+
+def as_a_user_who_can_run(python: str, spare_folder: Path) -> list[str]:
+    """The command prefix that runs what follows as user nobody, able to run `python`.
+
+    A Python installed under root's home (pyenv's /root/.pyenv, as on this project's
+    machines) is out of a user's reach only because /root is private; a user who installs
+    Python has one of their own. So where exactly one folder on the interpreter's real path
+    is private to root, the user's command runs in a mount namespace of its own in which an
+    open folder lies over it, holding only the way on to the interpreter (bound there from
+    `spare_folder`, an empty folder, which is free again once the namespace has it)."""
+    user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    real = Path(os.path.realpath(python))
+    private = [folder for folder in reversed(real.parents) if not folder.stat().st_mode & 0o001]
+    if len(private) != 1:
+        return user
+    closed, way_on = private[0], real.relative_to(private[0]).parts[0]
+    spare_folder.mkdir()
+    lay_open = (f"set -e; mount --bind {closed} {spare_folder}; "
+                f"mount -t tmpfs -o mode=755 tmpfs {closed}; mkdir {closed / way_on}; "
+                f"mount --bind {spare_folder / way_on} {closed / way_on}; umount {spare_folder}; "
+                'exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", lay_open, "sh", *user]
 
 
 def one_block_context(kind: str) -> str:
