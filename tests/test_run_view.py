@@ -263,36 +263,48 @@ def test_the_lanes_are_drawn_once_more_when_the_run_ends():
     assert view.state()["timeline"]["events_drawn"] == 4
 
 
-def test_a_timeline_runs_figure_waits_for_the_thread_that_loads_the_drawing_modules(tmp_path, monkeypatch):
-    """The modules load beside the training, so the figure after the run does not wait for
-    them; if the run ends first, the figure waits for that thread rather than importing the
-    same modules at once."""
+def test_a_finished_run_shows_its_lanes_as_a_picture_until_plotly_has_loaded(tmp_path, monkeypatch):
+    """A short run in a fresh kernel ends before it would pay for plotly (a second or more of
+    CPU-bound imports there): the cell ends at once with the summary and the lanes as a
+    picture; the thread loading plotly starts then, and its figure takes the picture's place.
+    A second view meanwhile waits for the same thread: no second importer."""
     from ddl_magic.ui import run_view
 
-    order = []
     released = threading.Event()
+    load_for_real = run_view._prepare_timeline_drawing
 
-    def slow_loading():
+    def plotly_loads_when_released(own_modules_loaded=None):
+        from ddl_magic.timeline import analysis, live, load  # noqa: F401 - the summary's own
+
+        own_modules_loaded.set()
         released.wait(timeout=30)
-        order.append("modules loaded")
+        load_for_real()
 
-    monkeypatch.setattr(run_view, "_prepare_timeline_drawing", slow_loading)
+    monkeypatch.setattr(run_view, "_prepare_timeline_drawing", plotly_loads_when_released)
     monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
     monkeypatch.setattr(run_view, "_drawing_thread", None)
-    view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
-    assert "ddl-magic-timeline-drawing" in [thread.name for thread in threading.enumerate()]
-    # The next run's view, while they still load, waits for the same thread: no second importer.
-    assert make_view(timeline_path=str(tmp_path / "next.json")).inner._drawing_modules is view.inner._drawing_modules
-    draw = view.inner._show_lanes
-    view.inner._show_lanes = lambda trace: order.append("figure drawn") or draw(trace)
-    wait = view.inner._drawing_modules_loaded
-    banners = []  # what the banner said when the finished run began to wait
-    view.inner._drawing_modules_loaded = lambda **kw: banners.append(view.widget.children[0].value) or wait(**kw)
-    threading.Timer(0.2, released.set).start()  # the run ends before the modules are loaded
-    view.finish("done")
-    assert order == ["modules loaded", "figure drawn"]
-    assert "done in" in banners[0] and "loading plotly to draw the timeline" in banners[0]
-    assert "plotly" not in view.widget.children[0].value
+    try:
+        view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
+        view.refresh()
+        assert view.inner._drawing_modules is None, "plotly loads beside a run under a second"
+        view.finish("done")
+        loader = view.inner._drawing_modules
+        assert loader.name == "ddl-magic-timeline-drawing" and loader.is_alive()
+        picture = view.widget.children[-2]
+        assert "<svg" in picture.value and "zoomable once plotly has loaded" in picture.value
+        assert "Waited longest" in view.widget.children[-3].value  # the summary, from the trace
+        banner = view.widget.children[0].value
+        assert "done in" in banner and "loading" not in banner and "drawing" not in banner
+        second = make_view(timeline_path=str(tmp_path / "next.json"))
+        second.inner._started_at -= run_view.DRAWING_STARTS_AFTER_S  # a second of its run
+        second.refresh()
+        assert second.inner._drawing_modules is loader
+    finally:
+        released.set()
+    loader.join(timeout=60)
+    assert not loader.is_alive()
+    assert type(view.widget.children[-2]).__name__ == "FullWidthFigureWidget"
+    assert view.state()["timeline"]["events_drawn"] > 0
 
 
 def test_loading_the_drawing_modules_draws_a_figure_once_per_process(monkeypatch):

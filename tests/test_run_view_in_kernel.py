@@ -49,6 +49,21 @@ CELLS = {
         f"for i in range({FLOOD_LINES}):\n"
         "    print(f'rank {hvd.rank()} line {i}')"
     ),
+    # The kernel's first timeline, after a run shorter than plotly takes to load: the cell
+    # ends with the lanes as a picture, and the figure takes its place once plotly is loaded.
+    "short_timeline": (
+        "%%horovod -np 2 --timeline timeline.json\n"
+        "import torch\n"
+        "import ddl_magic.torch as hvd\n"
+        "hvd.init()\n"
+        "hvd.allreduce(torch.ones(4), name='short')"
+    ),
+    "plotly_loaded": (
+        "from ddl_magic.ui import run_view\n"
+        "loading_after_the_cell = run_view._drawing_thread.is_alive()\n"
+        "run_view._drawing_thread.join(timeout=100)\n"
+        "loading_after_the_cell, run_view._drawing_thread.is_alive()"
+    ),
 }
 
 
@@ -185,3 +200,20 @@ def test_a_flood_of_lines_keeps_the_view_bounded_and_names_the_log_folder(notebo
     assert len(view.tab_texts[0].splitlines()) <= BOUNDED_LINES + 1  # + the note
     # 10,000 lines of ~16 characters went by; the frontend holds about a tenth of them.
     assert view.widget_state_chars < 60_000
+
+
+def test_the_first_timeline_of_a_kernel_ends_at_once_and_its_figure_follows(notebook):
+    """Widget state as the frontend held it once the kernel was done: the short run's view
+    swapped its lanes' picture for the zoomable figure, after its cell had ended."""
+    states = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    views = [output.data["application/vnd.jupyter.widget-view+json"]["model_id"]
+             for output in cell(notebook, "short_timeline").outputs
+             if "application/vnd.jupyter.widget-view+json" in output.get("data", {})]
+    assert len(views) == 1
+    children = [states[child.removeprefix("IPY_MODEL_")] for child in states[views[0]]["state"]["children"]]
+    assert "Waited longest" in children[-3]["state"]["value"]  # the summary
+    lanes = children[-2]
+    assert lanes["model_name"] != "HTMLModel", lanes["state"].get("value", "")[:300]
+    assert lanes["state"]["_anywidget_id"].endswith("FullWidthFigureWidget")
+    loaded = next(o for o in cell(notebook, "plotly_loaded").outputs if o.output_type == "execute_result")
+    assert loaded.data["text/plain"] == "(True, False)", "the cell waited for plotly to load"

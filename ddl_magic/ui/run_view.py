@@ -63,6 +63,11 @@ LIVE_TIMELINE_LONGEST_WAIT_S = 10.0
 """...but never longer than this."""
 DRAWING_MODULES_WAIT_S = 120.0
 """The longest the view waits for its thread that loads the drawing modules (seconds alone)."""
+DRAWING_STARTS_AFTER_S = 1.0
+"""A --timeline run still going after this long loads plotly for its live lanes. Not sooner:
+loading it is a second of CPU-bound Python beside the driver's thread, whose every wait for
+a socket or a lock then hands the interpreter over for a whole switch interval (a short
+first run of a kernel took 2.2 s instead of 0.2). A shorter run loads it after its end."""
 
 
 class LogLine:
@@ -174,10 +179,10 @@ class RunView:
         self.timeline_text = ""
         """The finished run's timeline summary as text (for frontends without widgets)."""
         self._display_handle = None
-        self._drawing_modules: threading.Thread | None = None
+        self._drawing_modules: DrawingLoader | None = None
+        self._drawing_asked = False
+        self._lanes_placeholder = None  # the lanes' picture, until plotly can draw them
         self._batches_aside: list[TimelineBatch] = []  # while the drawing modules load
-        if timeline_path is not None:
-            self._load_drawing_modules()
         if widget_after_s is None:
             self._make_widgets()
 
@@ -254,6 +259,9 @@ class RunView:
         """Push the changes since the last refresh to the widgets (with ``widget_after_s``,
         made and shown once the run has lasted that long)."""
         now = self._now()
+        if (self.timeline_path is not None and not self._drawing_asked
+                and now - self._started_at >= DRAWING_STARTS_AFTER_S):
+            self._load_drawing_modules()
         if self._root is None:
             if self._shown_at is None or now - self._shown_at < self.widget_after_s:
                 return
@@ -385,41 +393,50 @@ class RunView:
             },
             "selected_tab": None if self._root is None else self._tabs.selected_index,
             "timeline": None if self._live_lanes is None else {
-                "summary": self._live.summary(),
+                "summary": None if self._live is None else self._live.summary(),
                 "rows": list(self._live_lanes.trace.rows),
                 "events_drawn": len(self._live_lanes.trace.events),
             },
         }
 
-    def _load_drawing_modules(self) -> None:
-        """Load what drawing the timeline needs in a thread of its own, while the ranks train.
+    def _load_drawing_modules(self, after_the_cell: bool = False) -> None:
+        """Load what drawing the timeline needs in a thread of its own (`DrawingLoader`):
+        once the run has lasted `DRAWING_STARTS_AFTER_S` (for its live lanes), or, after a
+        shorter run, once its cell has ended (`after_the_cell`).
 
         The first figure of a kernel imports plotly, which imports nbformat and jsonschema
         (seconds on some machines: jsonschema's format checkers build grammars), then loads
-        its validators and template. Done after the run, the cell looked finished for
-        seconds before it was. Until the thread is done this view imports none of those
+        its validators and template. Until the thread is done this view imports none of those
         modules itself (two threads importing the same modules at once can leave one with a
         half-initialised module): it keeps the timeline's batches aside, and the finished run
-        waits for the thread before its figure.
+        shows its lanes as a picture until the thread draws the figure in its place.
         """
         global _drawing_thread
+        self._drawing_asked = True
         if _drawing_prepared.is_set():
             return
         # One thread a kernel: a view whose run was interrupted while it loaded leaves it
         # running, and the next run's view waits for the same one.
-        if _drawing_thread is None or not _drawing_thread.is_alive():
-            _drawing_thread = threading.Thread(target=_prepare_timeline_drawing, daemon=True,
-                                               name="ddl-magic-timeline-drawing")
-            _drawing_thread.start()
+        if _drawing_thread is None or not (_drawing_thread.is_alive() or _drawing_thread.ident is None):
+            _drawing_thread = DrawingLoader()
         self._drawing_modules = _drawing_thread
+        if after_the_cell:
+            _when_the_cell_has_ended(_drawing_thread.start_once)
+        else:
+            _drawing_thread.start_once()
 
     def _drawing_modules_loaded(self, wait_s: float = 0.0) -> bool:
-        if self._drawing_modules is not None:
-            self._drawing_modules.join(timeout=wait_s)
-            if self._drawing_modules.is_alive():
-                return False
-            self._drawing_modules = None
-        return True
+        """Whether plotly and the rest are loaded, or failed to load (the view's own imports
+        then raise it where it is shown); waits up to `wait_s` for a thread that runs."""
+        if _drawing_prepared.is_set():
+            return True
+        loader = self._drawing_modules
+        if loader is None:  # a view given batches but no trace file loads what it draws itself
+            return self.timeline_path is None
+        if loader.ident is None:
+            return False
+        loader.join(timeout=wait_s)
+        return not loader.is_alive()
 
     def _add_timeline(self, batch: TimelineBatch) -> None:
         self._rank(batch.rank)
@@ -474,8 +491,12 @@ class RunView:
     def _show_final_timeline(self) -> None:
         """The run is over: the figure and the summary become the whole trace's, read from
         its file (what the live lanes lack: event names, the bandwidth, slowest tensors)."""
-        self._drawing_modules_loaded(wait_s=DRAWING_MODULES_WAIT_S)
-        self._take_batches_aside()
+        if self.timeline_path is not None and not self._drawing_asked:
+            self._load_drawing_modules(after_the_cell=True)  # a run shorter than DRAWING_STARTS_AFTER_S
+        loader = self._drawing_modules
+        if loader is not None and loader.ident is not None:  # the summary's modules: tenths of a second
+            loader.own_modules_loaded.wait(timeout=DRAWING_MODULES_WAIT_S)
+        self._take_batches_aside()  # if plotly is loaded; else the trace's file has them all
         from .lanes_svg import lanes_svg
 
         trace = None
@@ -492,15 +513,50 @@ class RunView:
             self._lanes_picture = lanes_svg(trace)
             self._live_summary.value = f"<b>timeline</b>{summary_html}"
             if len(trace.events):
-                self._show_lanes(trace)
+                self._show_final_lanes(trace)
             elif self._live_summary not in self._root.children:  # the summary says it is empty
                 children = self._root.children
                 self._root.children = (*children[:-1], self._live_summary, children[-1])
-        elif self._live is not None:
+            return
+        if self._batches_aside:  # no trace to read: the live timeline's batches it is
+            if loader is not None:
+                loader.start_once()
+            self._drawing_modules_loaded(wait_s=DRAWING_MODULES_WAIT_S)
+            self._take_batches_aside()
+        if self._live is not None:
             self._draw_timeline_now()
             self._live_summary.value = self._render_timeline_summary("timeline")
             self.timeline_text = self._live.summary_line(self._finished_at - self._started_at)
             self._lanes_picture = lanes_svg(self._live.trace())
+
+    def _show_final_lanes(self, trace) -> None:
+        """The whole trace's lanes: in the view's zoomable figure if plotly is loaded; if not
+        yet (the first timeline of a kernel, after a short run), at once as a picture, which
+        the figure replaces when the thread loading plotly is done: the cell does not wait."""
+        loader = self._drawing_modules
+        if loader is None or not loader.after_plotly(lambda: self._picture_becomes_zoomable(trace)):
+            self._show_lanes(trace)
+            return
+        note = ("<div style=\"color:#666\">the lanes become zoomable once plotly has loaded (the "
+                "first time in a kernel: a second or two)</div>")
+        self._lanes_placeholder = widgets.HTML(value=note + self._lanes_picture)
+        children = self._root.children
+        self._root.children = (*children[:-1], self._live_summary, self._lanes_placeholder, children[-1])
+
+    def _picture_becomes_zoomable(self, trace) -> None:
+        """From the thread that loaded plotly: the zoomable figure takes the picture's place."""
+        try:
+            from .timeline_widget import ZoomableTimeline
+
+            self._live_lanes = ZoomableTimeline(trace, on_rank_click=self.show_rank)
+        except Exception as exc:  # noqa: BLE001 - said under the picture, which stays
+            self._lanes_placeholder.value = (
+                f'<div style="color:{STATUS_COLOURS[RankStatus.FAILED]}">the zoomable lanes '
+                f"could not be drawn: {html.escape(f'{type(exc).__name__}: {exc}')}</div>"
+                + self._lanes_picture)
+            return
+        self._root.children = tuple(self._live_lanes.widget if child is self._lanes_placeholder
+                                    else child for child in self._root.children)
 
     def _render_timeline_summary(self, heading: str) -> str:
         from ..timeline.live import KINDS
@@ -630,14 +686,78 @@ class RunView:
 
 
 _drawing_prepared = threading.Event()
-_drawing_thread: threading.Thread | None = None
 
 
-def _prepare_timeline_drawing() -> None:
+class DrawingLoader(threading.Thread):
+    """The thread that loads what drawing a timeline takes, one a kernel at a time.
+
+    First the timeline's own modules (tenths of a second: `own_modules_loaded`), which a
+    finished run needs for its summary and the picture of its lanes; then plotly, with one
+    figure drawn and thrown away (a second or more the first time in a process: `plotly.io`
+    imports nbformat, whose jsonschema builds grammars as it loads). A finished run does not
+    wait for plotly: it leaves the drawing of its zoomable figure here (`after_plotly`),
+    which runs it once plotly is loaded, or has failed to load (the draw then says why)."""
+
+    def __init__(self):
+        super().__init__(daemon=True, name="ddl-magic-timeline-drawing")
+        self.own_modules_loaded = threading.Event()
+        self._lock = threading.Lock()
+        self._waiting: list = []
+        self._over = False
+
+    def run(self) -> None:
+        _prepare_timeline_drawing(self.own_modules_loaded)
+        with self._lock:
+            self._over = True
+            waiting, self._waiting = self._waiting, []
+        for draw in waiting:
+            draw()
+
+    def start_once(self) -> None:
+        if self.ident is None:
+            self.start()
+
+    def after_plotly(self, draw) -> bool:
+        """Have `draw()` called from this thread once it is done; False if it is done
+        already (call it yourself)."""
+        with self._lock:
+            if self._over:
+                return False
+            self._waiting.append(draw)
+            return True
+
+
+_drawing_thread: DrawingLoader | None = None
+
+
+def _when_the_cell_has_ended(call) -> None:
+    """`call()` once the notebook cell running now has ended (IPython's `post_run_cell`), or
+    at once outside one: work that would slow the cell's last steps waits for its end."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        get_ipython = None
+    shell = get_ipython() if get_ipython is not None else None
+    if shell is None:
+        call()
+        return
+
+    def once(*_):
+        shell.events.unregister("post_run_cell", once)
+        call()
+
+    shell.events.register("post_run_cell", once)
+
+
+def _prepare_timeline_drawing(own_modules_loaded: threading.Event | None = None) -> None:
     """Import the modules drawing a timeline takes and draw one figure to throw away."""
     try:
-        from ..timeline import analysis, live, load  # noqa: F401
-        from . import lanes_svg  # noqa: F401
+        try:
+            from ..timeline import analysis, live, load  # noqa: F401
+            from . import lanes_svg  # noqa: F401
+        finally:  # loaded or not: a view's own import then raises what went wrong
+            if own_modules_loaded is not None:
+                own_modules_loaded.set()
         from .timeline_widget import warm_up
 
         warm_up()
