@@ -3,18 +3,19 @@ command (from the `examples` extra, which tests/test_readme.py checks is install
 clone of the labs, lab 01 opened from the URL JupyterLab printed and run top to bottom, then
 saved (the clone stays clean), then a `%%horovod --timeline` notebook, in headless Chromium.
 The README's command alone is refused as root, as the README says, and serves lab 01 as a
-user (where this machine's interpreter can run as one).
+user (as root, the user's command runs where root's own interpreter is in reach).
 
 The test drives Chromium through the Chrome DevTools Protocol (a websocket,
 `websocket-client`): "Run All Cells" as the Run menu does it, then checks the page's DOM: lab
-01 ends with no error or warning box; the run view draws its live timeline lanes while the
-ranks still train, then its status table, its tabs, a tab's lines once clicked, and, after the
-run, the whole timeline in the same figure (one figure per cell, as wide as the cell); and
-`ddl_magic.last_run()` renders as a table; after a kernel restart the finished run's view
-shows as it ended, without broken-link icons. Screenshots (lab_01.png, live_lanes.png,
-run_view.png, run_view_rank_1.png, timeline_cell.png, last_run.png,
-run_view_after_restart.png, page.png) land in the
-test's tmp folder; a wait that times out leaves timed_out.png.
+01 ends with no error or warning box, and its short timeline run's lanes become zoomable
+after its cell (a picture until plotly has loaded); the run view draws its live timeline
+lanes while the ranks still train, then its status table, its tabs, a tab's lines once
+clicked, and, after the run, the whole timeline in the same figure (one figure per cell, as
+wide as the cell); and `ddl_magic.last_run()` renders as a table; after a kernel restart the
+finished run's view shows as it ended, without broken-link icons. Screenshots (lab_01.png,
+lab_01_timeline.png, lab_01_pool_cell.png, live_lanes.png, run_view.png,
+run_view_rank_1.png, timeline_cell.png, last_run.png, run_view_after_restart.png, page.png)
+land in the test's tmp folder; a wait that times out leaves timed_out.png.
 
 The ranks train until the test has seen the live lanes: it then creates a file, and rank 0
 tells the others to stop (a broadcast), so the screenshot is taken mid-run on any machine.
@@ -446,6 +447,13 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
     # the two one-shot runs, then Part 3½'s pool cells (the set-up, two trainings, two evaluations)
     assert [done for done, _ in finished] == [True] * 7, finished
     assert finished[0][1], finished  # the timeline run: the live view, with its lanes
+    # Its lanes are zoomable: the kernel's first timeline, after a short run, ended with them
+    # as a picture, and the figure took the picture's place once plotly had loaded.
+    timeline_view = f"{run_views}[0]"
+    browser.wait_for(f"(() => {{ const view = {timeline_view}; return !!view.querySelector('.js-plotly-plot .bars path') "
+                     "&& !view.textContent.includes('zoomable once plotly has loaded'); })()",
+                     timeout=60, what="lab 01's timeline run to show its lanes in a zoomable figure")
+    browser.screenshot(tmp_path / "lab_01_timeline.png", element=timeline_view)
     # A pool cell's run view: its title says so, and both ranks trained on from where they were.
     pool_view = f"{run_views}[4]"
     shown = browser.evaluate(f"(() => {{ const view = {pool_view}; view.scrollIntoView(); "
