@@ -450,8 +450,9 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
     # Its lanes are zoomable: the kernel's first timeline, after a short run, ended with them
     # as a picture, and the figure took the picture's place once plotly had loaded.
     timeline_view = f"{run_views}[0]"
-    browser.wait_for(f"(() => {{ const view = {timeline_view}; return !!view.querySelector('.js-plotly-plot .bars path') "
-                     "&& !view.textContent.includes('zoomable once plotly has loaded'); })()",
+    browser.wait_for(f"""(() => {{ const view = {timeline_view};
+        return !!view.querySelector('.js-plotly-plot .bars path')
+            && !view.textContent.includes('zoomable once plotly has loaded'); }})()""",
                      timeout=60, what="lab 01's timeline run to show its lanes in a zoomable figure")
     browser.screenshot(tmp_path / "lab_01_timeline.png", element=timeline_view)
     # A pool cell's run view: its title says so, and both ranks trained on from where they were.
