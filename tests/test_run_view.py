@@ -283,6 +283,8 @@ def test_a_finished_run_shows_its_lanes_as_a_picture_until_plotly_has_loaded(tmp
     monkeypatch.setattr(run_view, "_prepare_timeline_drawing", plotly_loads_when_released)
     monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
     monkeypatch.setattr(run_view, "_drawing_thread", None)
+    # No cell runs here (an IPython shell another test made may exist in this process).
+    monkeypatch.setattr(run_view, "_when_the_cell_has_ended", lambda call: call())
     try:
         view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
         view.refresh()
@@ -502,3 +504,20 @@ class _Handle:
 
     def update(self, bundle, **kwargs):
         self.shown.append(bundle)
+
+
+def test_work_left_for_the_cells_end_runs_once_after_it():
+    """What the first timeline of a kernel loads after a short run waits for its cell's end
+    (IPython's post_run_cell), in a real shell: then once, and not again after the next cell."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from ddl_magic.ui import run_view
+
+    shell = InteractiveShell.instance()
+    calls = []
+    shell.user_ns.update(calls=calls, when_the_cell_has_ended=run_view._when_the_cell_has_ended)
+    shell.run_cell("when_the_cell_has_ended(lambda: calls.append('after the cell'))\n"
+                   "calls.append('in the cell')")
+    assert calls == ["in the cell", "after the cell"]
+    shell.run_cell("calls.append('the next cell')")
+    assert calls == ["in the cell", "after the cell", "the next cell"]
