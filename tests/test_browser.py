@@ -448,12 +448,17 @@ def test_lab_01_runs_from_the_readmes_path_to_its_end_without_a_warning_box(brow
     assert [done for done, _ in finished] == [True] * 7, finished
     assert finished[0][1], finished  # the timeline run: the live view, with its lanes
     # Its lanes are zoomable: the kernel's first timeline, after a short run, ended with them
-    # as a picture, and the figure took the picture's place once plotly had loaded.
+    # as a picture, and the figure took the picture's place once plotly had loaded; in view
+    # (JupyterLab lays out no cell out of sight), as wide as the run view.
     timeline_view = f"{run_views}[0]"
     browser.wait_for(f"""(() => {{ const view = {timeline_view};
-        return !!view.querySelector('.js-plotly-plot .bars path')
-            && !view.textContent.includes('zoomable once plotly has loaded'); }})()""",
-                     timeout=60, what="lab 01's timeline run to show its lanes in a zoomable figure")
+        view.scrollIntoView({{block: 'center'}});
+        const plot = view.querySelector('.js-plotly-plot');
+        return !!plot && !!plot.querySelector('.bars path')
+            && !view.textContent.includes('zoomable once plotly has loaded')
+            && plot.querySelector('.main-svg').getBoundingClientRect().width
+               >= 0.95 * view.getBoundingClientRect().width; }})()""",
+                     timeout=60, what="lab 01's timeline run to show its lanes in a zoomable figure as wide as its view")
     browser.screenshot(tmp_path / "lab_01_timeline.png", element=timeline_view)
     # A pool cell's run view: its title says so, and both ranks trained on from where they were.
     pool_view = f"{run_views}[4]"
