@@ -132,14 +132,14 @@ def run_rank_task(control_address, secret, tail_lines, report_interval, shares,
             f"the executors' Python ({sys.executable}) cannot import ddl_magic: {exc}. "
             "Install ddl_magic on every executor, or set PYSPARK_PYTHON to a Python that has it")
     else:
-        if shares:  # it waits for the word on a pipe
+        if shares:
             from ddl_magic.rank.task_shares import TaskShares
 
             written = TaskShares(shares, rank)
-            ready_read, ready_write = os.pipe()
+            ready_read, ready_write = os.pipe()  # the rank waits for the writer's word on it
             # Written from the moment the task starts: while a cold worker's factory imports
-            # torch, then while the rank does. The partition's batches are read by this thread
-            # alone, and it is joined before the task returns its row.
+            # torch, then while the rank does. The partition's batches are read by the writing
+            # thread alone, which is joined before the task returns its row.
             writing = threading.Thread(target=written.write, args=(batches, ready_write),
                                        name="ddl-write-shares", daemon=True)
             writing.start()
