@@ -106,9 +106,11 @@ def figure_parts(trace: TraceData, max_shapes: int = DEFAULT_MAX_SHAPES,
     shown = "every event" if detailed else (
         f"how busy each lane was per {bin_us / 1000.0:.3g} ms (darker: busier); {how_to_see_more}")
     layout = dict(
-        title=dict(text=f"{len(events):,} events from {len(trace.rank_names)} rank(s): {shown}"
-                        + (" (file was cut short)" if trace.truncated else ""),
-                   x=0, xanchor="left", y=1, yanchor="top", yref="container", pad=dict(t=8)),
+        # Two lines: the first, short, stays clear of plotly's toolbar at the top right.
+        title=dict(text=f"{len(events):,} events from {len(trace.rank_names)} rank(s)"
+                        + (" (file was cut short)" if trace.truncated else "")
+                        + f"<br><span style='font-size:12px'>{shown}</span>",
+                   x=0, xanchor="left", y=1, yanchor="top", yref="container", pad=dict(t=20)),
         autosize=True,  # as wide as the cell (plotly's default is a fixed 700 px)
         barmode="overlay",
         bargap=0.2,
