@@ -267,7 +267,7 @@ def test_a_finished_run_shows_its_lanes_as_a_picture_until_plotly_has_loaded(tmp
     """A short run in a fresh kernel ends before it would pay for plotly (a second or more of
     CPU-bound imports there): the cell ends at once with the summary and the lanes as a
     picture; the thread loading plotly starts then, and its figure takes the picture's place.
-    A second view meanwhile waits for the same thread: no second importer."""
+    A run that needs plotly meanwhile waits for the same thread: no second importer."""
     from ddl_magic.ui import run_view
 
     released = threading.Event()
@@ -283,8 +283,8 @@ def test_a_finished_run_shows_its_lanes_as_a_picture_until_plotly_has_loaded(tmp
     monkeypatch.setattr(run_view, "_prepare_timeline_drawing", plotly_loads_when_released)
     monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
     monkeypatch.setattr(run_view, "_drawing_thread", None)
-    # No cell runs here (an IPython shell another test made may exist in this process).
-    monkeypatch.setattr(run_view, "_when_the_cell_has_ended", lambda call: call())
+    # The cell ends, and no next cell waits (an IPython shell another test made may exist).
+    monkeypatch.setattr(run_view, "_between_this_cell_and_the_next", lambda start, finish: start())
     try:
         view = make_view(timeline_path=str(two_rank_trace(tmp_path)))
         view.refresh()
@@ -299,14 +299,34 @@ def test_a_finished_run_shows_its_lanes_as_a_picture_until_plotly_has_loaded(tmp
         assert "done in" in banner and "loading" not in banner and "drawing" not in banner
         second = make_view(timeline_path=str(tmp_path / "next.json"))
         second.inner._started_at -= run_view.DRAWING_STARTS_AFTER_S  # a second of its run
-        second.refresh()
-        assert second.inner._drawing_modules is loader
+        second_refresh = threading.Thread(target=second.refresh, daemon=True)
+        second_refresh.start()
+        second_refresh.join(timeout=0.5)
+        assert second_refresh.is_alive(), "the second view waits for the loading thread"
     finally:
         released.set()
+    second_refresh.join(timeout=60)
+    assert not second_refresh.is_alive() and second.inner._drawing_modules is loader
     loader.join(timeout=60)
     assert not loader.is_alive()
     assert type(view.widget.children[-2]).__name__ == "FullWidthFigureWidget"
     assert view.state()["timeline"]["events_drawn"] > 0
+
+
+def test_a_run_of_a_second_loads_plotly_on_its_own_thread(monkeypatch):
+    """Beside a running cell no thread of ours imports plotly: the cell's own thread would
+    build syntax trees beside it (IPython, user code), which CPython 3.11 cannot do in two
+    threads at once. The live lanes' view loads it on the driver's thread."""
+    from ddl_magic.ui import run_view
+
+    monkeypatch.setattr(run_view, "_drawing_prepared", threading.Event())
+    monkeypatch.setattr(run_view, "_drawing_thread", None)
+    view = make_view(timeline_path="/nonexistent/timeline.json")
+    view.inner._started_at -= run_view.DRAWING_STARTS_AFTER_S
+    threads = set(threading.enumerate())
+    view.refresh()
+    assert run_view._drawing_prepared.is_set()
+    assert set(threading.enumerate()) <= threads and run_view._drawing_thread is None
 
 
 def test_loading_the_drawing_modules_draws_a_figure_once_per_process(monkeypatch):
@@ -506,18 +526,21 @@ class _Handle:
         self.shown.append(bundle)
 
 
-def test_work_left_for_the_cells_end_runs_once_after_it():
-    """What the first timeline of a kernel loads after a short run waits for its cell's end
-    (IPython's post_run_cell), in a real shell: then once, and not again after the next cell."""
+def test_work_left_for_the_cells_end_runs_between_it_and_the_next_cell():
+    """What the first timeline of a kernel loads after a short run starts when its cell has
+    ended (IPython's post_run_cell) and is finished before the next cell starts, in a real
+    shell: once, and not again after the next cell."""
     from IPython.core.interactiveshell import InteractiveShell
 
     from ddl_magic.ui import run_view
 
     shell = InteractiveShell.instance()
     calls = []
-    shell.user_ns.update(calls=calls, when_the_cell_has_ended=run_view._when_the_cell_has_ended)
-    shell.run_cell("when_the_cell_has_ended(lambda: calls.append('after the cell'))\n"
+    shell.user_ns.update(calls=calls, between=run_view._between_this_cell_and_the_next)
+    shell.run_cell("between(lambda: calls.append('started'), lambda: calls.append('finished'))\n"
                    "calls.append('in the cell')")
-    assert calls == ["in the cell", "after the cell"]
+    assert calls == ["in the cell", "started"]
     shell.run_cell("calls.append('the next cell')")
-    assert calls == ["in the cell", "after the cell", "the next cell"]
+    assert calls == ["in the cell", "started", "finished", "the next cell"]
+    shell.run_cell("calls.append('the cell after')")
+    assert calls == ["in the cell", "started", "finished", "the next cell", "the cell after"]

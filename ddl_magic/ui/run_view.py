@@ -62,12 +62,11 @@ LIVE_TIMELINE_SHARE = 0.02
 LIVE_TIMELINE_LONGEST_WAIT_S = 10.0
 """...but never longer than this."""
 DRAWING_MODULES_WAIT_S = 120.0
-"""The longest the view waits for its thread that loads the drawing modules (seconds alone)."""
+"""The longest the view, or the next cell, waits for the thread that loads the drawing modules."""
 DRAWING_STARTS_AFTER_S = 1.0
-"""A --timeline run still going after this long loads plotly for its live lanes. Not sooner:
-loading it is a second of CPU-bound Python beside the driver's thread, whose every wait for
-a socket or a lock then hands the interpreter over for a whole switch interval (a short
-first run of a kernel took 2.2 s instead of 0.2). A shorter run loads it after its end."""
+"""A --timeline run still going after this long loads plotly for its live lanes, on the
+driver's thread (the view pauses for it, once a kernel). A shorter run does not pay for it:
+its cell ends at once, and plotly loads between it and the next cell (`DrawingLoader`)."""
 
 
 class LogLine:
@@ -400,30 +399,34 @@ class RunView:
         }
 
     def _load_drawing_modules(self, after_the_cell: bool = False) -> None:
-        """Load what drawing the timeline needs in a thread of its own (`DrawingLoader`):
-        once the run has lasted `DRAWING_STARTS_AFTER_S` (for its live lanes), or, after a
-        shorter run, once its cell has ended (`after_the_cell`).
+        """Load what drawing the timeline needs, once a kernel: here, once the run has lasted
+        `DRAWING_STARTS_AFTER_S` (for its live lanes), or, after a shorter run, in the
+        `DrawingLoader` thread between its cell and the next (`after_the_cell`).
 
         The first figure of a kernel imports plotly, which imports nbformat and jsonschema
         (seconds on some machines: jsonschema's format checkers build grammars), then loads
         its validators and template. Until the thread is done this view imports none of those
-        modules itself (two threads importing the same modules at once can leave one with a
-        half-initialised module): it keeps the timeline's batches aside, and the finished run
-        shows its lanes as a picture until the thread draws the figure in its place.
+        modules itself: it keeps the timeline's batches aside, and the finished run shows its
+        lanes as a picture until the thread draws the figure in its place.
         """
         global _drawing_thread
         self._drawing_asked = True
         if _drawing_prepared.is_set():
             return
+        loading = _drawing_thread is not None and _drawing_thread.is_alive()
+        if not after_the_cell:
+            if loading:  # outside a notebook cell, the last run's thread may still be loading
+                self._drawing_modules = _drawing_thread
+                _drawing_thread.join(timeout=DRAWING_MODULES_WAIT_S)
+            else:
+                _prepare_timeline_drawing()
+            return
         # One thread a kernel: a view whose run was interrupted while it loaded leaves it
         # running, and the next run's view waits for the same one.
-        if _drawing_thread is None or not (_drawing_thread.is_alive() or _drawing_thread.ident is None):
+        if not loading and (_drawing_thread is None or _drawing_thread.ident is not None):
             _drawing_thread = DrawingLoader()
+            _between_this_cell_and_the_next(_drawing_thread.start_once, _drawing_thread.finish)
         self._drawing_modules = _drawing_thread
-        if after_the_cell:
-            _when_the_cell_has_ended(_drawing_thread.start_once)
-        else:
-            _drawing_thread.start_once()
 
     def _drawing_modules_loaded(self, wait_s: float = 0.0) -> bool:
         """Whether plotly and the rest are loaded, or failed to load (the view's own imports
@@ -431,8 +434,8 @@ class RunView:
         if _drawing_prepared.is_set():
             return True
         loader = self._drawing_modules
-        if loader is None:  # a view given batches but no trace file loads what it draws itself
-            return self.timeline_path is None
+        if loader is None:  # tried here (a run of a second), or no trace file: the view's own
+            return self._drawing_asked or self.timeline_path is None
         if loader.ident is None:
             return False
         loader.join(timeout=wait_s)
@@ -689,14 +692,22 @@ _drawing_prepared = threading.Event()
 
 
 class DrawingLoader(threading.Thread):
-    """The thread that loads what drawing a timeline takes, one a kernel at a time.
+    """The thread that loads what drawing a timeline takes after a short run, between its
+    cell and the next, once a kernel.
+
+    It starts when the cell has ended, and the next cell waits for it before it starts
+    (`finish`): the kernel's own thread must not run Python beside it. Importing plotly
+    builds Python syntax trees (jsonschema's grammars, `inspect.signature`), as IPython does
+    with every cell, and CPython 3.11 and 3.12 keep one counter for that per interpreter:
+    two threads at it at once fail with `SystemError: AST constructor recursion depth
+    mismatch` (python/cpython#106905), which a lab's next cell once raised in CI.
 
     First the timeline's own modules (tenths of a second: `own_modules_loaded`), which a
     finished run needs for its summary and the picture of its lanes; then plotly, with one
     figure drawn and thrown away (a second or more the first time in a process: `plotly.io`
-    imports nbformat, whose jsonschema builds grammars as it loads). A finished run does not
-    wait for plotly: it leaves the drawing of its zoomable figure here (`after_plotly`),
-    which runs it once plotly is loaded, or has failed to load (the draw then says why)."""
+    imports nbformat, whose jsonschema builds grammars as it loads). The finished run leaves
+    the drawing of its zoomable figure here (`after_plotly`), which runs it once plotly is
+    loaded, or has failed to load (the draw then says why)."""
 
     def __init__(self):
         super().__init__(daemon=True, name="ddl-magic-timeline-drawing")
@@ -717,6 +728,14 @@ class DrawingLoader(threading.Thread):
         if self.ident is None:
             self.start()
 
+    def finish(self) -> None:
+        """Wait until it is done (a second or two), as the next cell does before it starts;
+        an interrupt stops the waiting."""
+        try:
+            self.join(timeout=DRAWING_MODULES_WAIT_S)
+        except KeyboardInterrupt:
+            pass
+
     def after_plotly(self, draw) -> bool:
         """Have `draw()` called from this thread once it is done; False if it is done
         already (call it yourself)."""
@@ -730,23 +749,30 @@ class DrawingLoader(threading.Thread):
 _drawing_thread: DrawingLoader | None = None
 
 
-def _when_the_cell_has_ended(call) -> None:
-    """`call()` once the notebook cell running now has ended (IPython's `post_run_cell`), or
-    at once outside one: work that would slow the cell's last steps waits for its end."""
+def _between_this_cell_and_the_next(start, finish) -> None:
+    """`start()` once the notebook cell running now has ended (IPython's `post_run_cell`),
+    and `finish()` before the next one starts (`pre_execute`): work that would slow the
+    cell's last steps runs while the kernel waits. Outside a cell, both at once."""
     try:
         from IPython import get_ipython
     except ImportError:
         get_ipython = None
     shell = get_ipython() if get_ipython is not None else None
     if shell is None:
-        call()
+        start()
+        finish()
         return
 
-    def once(*_):
-        shell.events.unregister("post_run_cell", once)
-        call()
+    def cell_ended(*_):
+        shell.events.unregister("post_run_cell", cell_ended)
+        shell.events.register("pre_execute", next_cell_starts)
+        start()
 
-    shell.events.register("post_run_cell", once)
+    def next_cell_starts():
+        shell.events.unregister("pre_execute", next_cell_starts)
+        finish()
+
+    shell.events.register("post_run_cell", cell_ended)
 
 
 def _prepare_timeline_drawing(own_modules_loaded: threading.Event | None = None) -> None:
