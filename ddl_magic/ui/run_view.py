@@ -698,9 +698,9 @@ class DrawingLoader(threading.Thread):
     It starts when the cell has ended, and the next cell waits for it before it starts
     (`finish`): the kernel's own thread must not run Python beside it. Importing plotly
     builds Python syntax trees (jsonschema's grammars, `inspect.signature`), as IPython does
-    with every cell, and CPython 3.11 and 3.12 keep one counter for that per interpreter:
-    two threads at it at once fail with `SystemError: AST constructor recursion depth
-    mismatch` (python/cpython#106905), which a lab's next cell once raised in CI.
+    with every cell, and CPython 3.11 keeps one counter for that per interpreter: two
+    threads at it at once fail with `SystemError: AST constructor recursion depth mismatch`
+    (python/cpython#106905), which a lab's next cell once raised in CI.
 
     First the timeline's own modules (tenths of a second: `own_modules_loaded`), which a
     finished run needs for its summary and the picture of its lanes; then plotly, with one
