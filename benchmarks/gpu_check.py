@@ -1,11 +1,14 @@
 """One command that checks ddl_magic on the GPU it runs on and writes down what it found.
 
-    python benchmarks/gpu_check.py OUTDIR        # or: bash benchmarks/gpu_check.sh OUTDIR
+    bash benchmarks/gpu_check.sh OUTDIR            # on a GPU machine: installs the project first
     python benchmarks/gpu_check.py OUTDIR --quick  # fewer sizes and steps (about half the time)
+    python benchmarks/gpu_check.py OUTDIR --on-cpu # every step tried on the CPU, where no GPU is
 
-Run from the repository root in an environment with the project and its test extra
-installed (``pip install -e ".[test,gpu]"``); it installs nothing. Steps, each with its own
-time limit (about 8 minutes in all on one H100):
+Needs torch (its CUDA build), triton, cloudpickle, pyarrow, psutil, pytest, pytest-xdist and
+pytest-timeout, and the project installed (``gpu_check.sh`` installs it from this checkout,
+without its dependencies and without the network: a GPU machine lent for minutes has
+PyTorch's stack and no IPython, Spark or plotly, which none of the steps needs). Steps, each
+with its own time limit (about 8 minutes in all on one H100):
 
 1. every CUDA test: ``tests/test_cuda_ipc.py`` (CUDA IPC between ranks), ``tests/test_cuda_plane.py``
    (every Horovod op and the ``ddl`` backend on CUDA tensors through NCCL at np 1 and CUDA IPC
@@ -21,7 +24,10 @@ time limit (about 8 minutes in all on one H100):
 Writes ``OUTDIR/gpu_check.md`` (the report), ``OUTDIR/gpu_check.json`` and each step's log.
 Exits 0 when every step passed, 1 otherwise. Without a GPU it writes "no GPU" into the report
 and the JSON and exits 0: nothing here can be checked on a CPU (CI runs the same code paths
-with gloo standing in for NCCL).
+with gloo standing in for NCCL). ``--on-cpu`` runs every step there all the same, as short as
+it goes (the CUDA tests collected, the benchmarks on ``--device cpu``): it checks that the
+steps start and finish in an environment like the GPU machine's, before its minutes are
+spent (``tests/test_gpu_check.py`` does so in CI).
 """
 
 from __future__ import annotations
@@ -62,16 +68,23 @@ class Step:
         return self.returncode == 0
 
 
-def steps_for(outdir: Path, quick: bool) -> list[Step]:
+def steps_for(outdir: Path, quick: bool, device: str = "cuda") -> list[Step]:
+    """The check's steps on `device`; on "cpu" (`--on-cpu`) each as short as it goes: the CUDA
+    tests collected (CI runs what of them runs on a CPU), two sizes of few calls, two training
+    steps."""
     python = sys.executable
-    sizes = QUICK_SIZES if quick else SIZES
+    on_cpu = device == "cpu"
+    sizes = ("4KiB", "1MiB") if on_cpu else QUICK_SIZES if quick else SIZES
+    steps = "2" if on_cpu else "100" if quick else "200"
     return [
-        Step("CUDA tests", [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *CUDA_TESTS], 240),
-        Step("allreduce on CUDA tensors", [python, "benchmarks/allreduce.py", "--device", "cuda",
-                                           "--np", "2", "--sizes", *sizes,
-                                           *(["--repeats", "1"] if quick else [])], 180),
+        Step("CUDA tests", [python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                            *(["--collect-only"] if on_cpu else []), *CUDA_TESTS], 240),
+        Step(f"allreduce on {device.upper()} tensors", [
+            python, "benchmarks/allreduce.py", "--device", device, "--np", "2", "--sizes", *sizes,
+            *(["--quick", "--iterations", "20", "--small-rounds", "1"] if on_cpu
+              else ["--repeats", "1"] if quick else [])], 180),
         Step("MNIST CNN step", [python, "benchmarks/gpu_check_train_step.py",
-                                str(outdir / "train_step.json"), "--steps", "100" if quick else "200"], 120),
+                                str(outdir / "train_step.json"), "--steps", steps, "--device", device], 120),
     ]
 
 
@@ -123,7 +136,10 @@ def describe_machine() -> dict:
 def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) -> bool:
     """The report (Markdown) and the JSON; whether everything passed."""
     passed = bool(steps) and all(step.passed for step in steps)
-    if not machine["gpus"]:
+    if not machine["gpus"] and steps:
+        verdict = (f"no GPU: every step tried on the CPU (--on-cpu), "
+                   f"{'PASSED' if passed else 'FAILED'} in {wall_s:.0f} s; nothing on a GPU was checked")
+    elif not machine["gpus"]:
         build = ("" if machine.get("cuda_build") else " This torch is a CPU build: a GPU machine "
                  "needs torch's CUDA build of the same version.")
         verdict = ("no GPU: torch sees no CUDA device here "
@@ -142,7 +158,7 @@ def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) 
                   f"`{' '.join(step.command[1:])}` · log: {Path(step.log).name}\n",
                   "```", step.summary, "```"]
     (outdir / "gpu_check.md").write_text("\n".join(lines) + "\n")
-    results = {"verdict": verdict, "gpu": bool(machine["gpus"]), "passed": passed if machine["gpus"] else None,
+    results = {"verdict": verdict, "gpu": bool(machine["gpus"]), "passed": passed if steps else None,
                "wall_s": wall_s, "machine": machine, "steps": [asdict(step) for step in steps]}
     for name in ("allreduce", "train_step"):  # the benchmarks' own JSON, beside the report
         path = ROOT / "benchmarks" / "results" / f"{name}.json" if name == "allreduce" \
@@ -160,14 +176,16 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("outdir", type=Path, help="where the report, the JSON and the logs go")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and steps")
+    parser.add_argument("--on-cpu", action="store_true",
+                        help="where no GPU is: run every step on the CPU all the same")
     args = parser.parse_args()
     args.outdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     machine = describe_machine()
-    if not machine["gpus"]:
+    if not machine["gpus"] and not args.on_cpu:
         write_report(args.outdir, machine, [], time.monotonic() - started)
         return 0
-    steps = steps_for(args.outdir.resolve(), args.quick)
+    steps = steps_for(args.outdir.resolve(), args.quick, "cuda" if machine["gpus"] else "cpu")
     for step in steps:
         print(f"{step.name} (at most {step.limit_s:.0f} s) ...", flush=True)
         run_step(step, args.outdir)
