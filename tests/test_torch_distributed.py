@@ -96,6 +96,22 @@ def ddl_backend_behaviour():
     part = torch.zeros(2)
     dist.reduce_scatter_tensor(part, torch.arange(4.0) * (rank + 1))
     seen["reduce_scatter_tensor"] = part.tolist()
+    # The names torch 2.11 calls them by (a GPU machine's image holds 2.11).
+    from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, ReduceScatterOptions
+
+    world, summed = dist.distributed_c10d._get_default_group(), ReduceScatterOptions()
+    summed.reduceOp = dist.ReduceOp.SUM
+    mine, whole = torch.full((2,), float(rank)), torch.arange(4.0) * (rank + 1)
+    outputs = {name: torch.zeros(size) for name, size in (("_allgather_base", 4), ("_reduce_scatter_base", 2),
+               ("allgather_into_tensor_coalesced", 4), ("reduce_scatter_tensor_coalesced", 2), ("alltoall_base", 2))}
+    world._allgather_base(outputs["_allgather_base"], mine, AllgatherOptions()).wait()
+    world._reduce_scatter_base(outputs["_reduce_scatter_base"], whole, summed).wait()
+    world.allgather_into_tensor_coalesced([outputs["allgather_into_tensor_coalesced"]], [mine],
+                                          AllgatherOptions()).wait()
+    world.reduce_scatter_tensor_coalesced([outputs["reduce_scatter_tensor_coalesced"]], [whole], summed).wait()
+    world.alltoall_base(outputs["alltoall_base"], torch.tensor([10.0 * rank, 10.0 * rank + 1]), [], [],
+                        AllToAllOptions()).wait()
+    seen["older names"] = {name: output.tolist() for name, output in outputs.items()}
     dist.barrier()
     return seen
 
@@ -112,6 +128,11 @@ def test_the_ddl_backend_completes_futures_reports_errors_and_names_what_it_lack
         assert result["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         # Sum over ranks of arange(4) * (rank + 1) = 3 * arange(4); each rank keeps its half.
         assert result["reduce_scatter_tensor"] == [[0.0, 3.0], [6.0, 9.0]][rank]
+        assert result["older names"] == {
+            "_allgather_base": [0.0, 0.0, 1.0, 1.0], "allgather_into_tensor_coalesced": [0.0, 0.0, 1.0, 1.0],
+            "_reduce_scatter_base": [[0.0, 3.0], [6.0, 9.0]][rank],
+            "reduce_scatter_tensor_coalesced": [[0.0, 3.0], [6.0, 9.0]][rank],
+            "alltoall_base": [[0.0, 10.0], [1.0, 11.0]][rank]}
 
 
 def test_ddp_collectives_over_ddl_are_on_the_timeline(tmp_path):

@@ -406,6 +406,14 @@ class DdlProcessGroup(dist.ProcessGroup):
         _copy_chunks(whole_out, outputs)
         return work
 
+    # torch 2.11 and older call these five by their former names (GPU machines' images
+    # hold 2.11): without them FSDP2's all-gather there found "no backend for device type cpu".
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
     def _splits_of_every_rank(self, mine: list[int]) -> list[list[int]]:
         """Every rank's input splits, which say where in its input each receiver's part starts."""
         splits = torch.tensor(mine, dtype=torch.int64)
@@ -468,7 +476,10 @@ def _reduction(op: dist.ReduceOp, call: str) -> dict:
     factor) is a SUM whose inputs are first multiplied by its factor: the runtime's prescale."""
     kind = op.op  # torch hands over a ReduceOp object; its RedOpType says which
     if kind == dist.ReduceOp.PREMUL_SUM:
-        return {"op": int(ReduceOp.SUM), "prescale": float(op.factor)}  # a float, or a 1-element tensor
+        # Its factor: a float, or a 1-element tensor (read as pickling does: torch 2.11 has no
+        # `factor` attribute yet).
+        _, factor = op.__getstate__()
+        return {"op": int(ReduceOp.SUM), "prescale": float(factor)}
     try:
         return {"op": int(_REDUCE_OPS[kind])}
     except KeyError:
