@@ -64,9 +64,11 @@ def is_figure(output: dict) -> bool:
         widget and "\n\ntimeline\n" in data.get("text/plain", ""))
 
 
-def shown_text(cell: nbformat.NotebookNode) -> str:
-    """What a code cell displayed as text, figures and tables included (their text/plain)."""
-    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+def shown_text(cell: nbformat.NotebookNode, figures: bool = True) -> str:
+    """What a code cell displayed as text, tables included (their text/plain), and figures
+    too unless `figures` is False."""
+    return "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                     for o in cell.outputs if figures or not is_figure(o))
 
 
 def source_of(notebook: nbformat.NotebookNode, kind: str) -> str:
@@ -230,8 +232,7 @@ slow_runs = waiting[waiting["run"] == "rank 1 sleeps"].set_index("rank")
     assert sum(map(is_figure, outputs)) >= 2
     # The summary under the last figure tells the lab's story first: the slow rank waits least.
     # (The figure's own text is left out: its base64 data may spell "nan" by chance.)
-    summary = "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
-                        for o in notebook.cells[-2].outputs if not is_figure(o))
+    summary = shown_text(notebook.cells[-2], figures=False)
     assert re.search(r"^Waited longest: rank [02] \(.*; shortest: rank 1 \(", summary, re.M), summary
     assert "wait ms" in summary and "nan" not in summary.lower()
 
