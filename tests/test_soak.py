@@ -26,6 +26,11 @@ def snapshot():
             "children": sorted(c.pid for c in processes if c not in spares),
             "spares": len(spares), "rss": me.memory_info().rss}
 
+def the_factory_alone():
+    '''The children a kernel keeps between runs, the spares aside: its rank factory (which
+    forks the ranks: theirs are the factory's children, not the kernel's).'''
+    return sorted(c.pid for c in psutil.Process().children() if c.name() != SPARE_NAME)
+
 def settled(baseline, timeout_s=30):
     '''The snapshot once threads and processes of the last run have ended (or the timeout).'''
     deadline = time.monotonic() + timeout_s
@@ -42,7 +47,8 @@ BODY = "import torch, ddl_magic.torch as hvd\\nhvd.init()\\nprint(hvd.allreduce(
 WARM_UP = """
 for _ in range(3):  # the rank factory, first imports, the widgets' first use
     get_ipython().run_cell_magic("horovod", "-np 2", BODY)
-baseline = settled({**snapshot(), "spares": 2}, timeout_s=30)  # once the factory has its spares
+# Once the last run's ranks have exited and the factory has its spares.
+baseline = settled({**snapshot(), "children": the_factory_alone(), "spares": 2}, timeout_s=30)
 """
 
 SOAK = """
