@@ -133,6 +133,7 @@ PLANES = {  # plane -> (np, the environment that selects it, the rank that never
     "hierarchical": (4, {"DDL_MAGIC_TEST_HOSTS": "a,a,b,b"}, 1),
     "process set": (3, {}, 1),
     "ddl backend": (2, {}, 1),
+    "torch.distributed (gloo)": (2, {"DDL_MAGIC_TORCH_PLANE": "gloo"}, 1),
 }
 
 

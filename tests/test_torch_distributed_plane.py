@@ -4,8 +4,9 @@ One launch of 3 ranks runs every Horovod op (and a process set's, and the `ddl` 
 twice: with `DDL_MAGIC_TORCH_PLANE=gloo`, every buffer through a gloo group (the code path
 CUDA tensors take through NCCL), then, after an elastic-style reset (`shutdown`, `init`), on
 the shared-memory plane. The results must agree: bit for bit for integers, within rounding
-for floats (the two sum in different orders). The choice of backend, the waits' deadline and
-abort are pure logic and small fakes, tested without processes.
+for floats (the two sum in different orders). A rank that stalls inside a collective ends the
+run after our timeout, the ranks named (two real ranks, real gloo). The choice of backend, the
+waits' deadline and abort are pure logic and small fakes, tested without processes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from ddl_magic.driver.job import Job, JobOptions
 from ddl_magic.launch.local import LocalLauncher
-from ddl_magic.runtime.errors import CollectiveAbortedError, CollectiveTimeoutError
+from ddl_magic.driver.run_result import RankFailedError
+from ddl_magic.runtime.errors import CollectiveAbortedError, CollectiveTimeoutError, HorovodInternalError
 from ddl_magic.runtime.planes.torch_distributed import (Abilities, DeviceGroup, TorchDistributedPlane,
                                                         choose_backend, wants_group)
 from ddl_magic.runtime.settings import torch_plane_choice
@@ -216,6 +218,40 @@ def test_a_bad_setting_is_refused_with_the_choices():
         torch_plane_choice("mpi")
 
 
+def one_rank_stalls_inside(op: str) -> None:
+    """Rank 1 submits `op` (the negotiation agrees on it on both ranks), then stalls inside
+    it: its plane's method waits for ever in place of moving the bytes, while rank 0's gloo
+    waits for them."""
+    import threading
+
+    import ddl_magic.torch as hvd
+    from ddl_magic.runtime.planes import torch_distributed
+
+    hvd.init()
+    hvd.allreduce(torch.ones(1), name="warm-up")  # the ring works before the stall
+    if hvd.rank() == 1:
+        method = {"allreduce": "allreduce", "reducescatter": "reduce_scatter"}[op]
+        setattr(torch_distributed.TorchDistributedPlane, method,
+                lambda *args: threading.Event().wait(120))
+    if op == "allreduce":
+        hvd.allreduce(torch.ones(4), name="gradient.0")
+    else:
+        hvd.reducescatter(torch.ones(4), name="gradient.0", op=hvd.Sum)
+
+
+@pytest.mark.parametrize("op", ["allreduce", "reducescatter"])  # gloo's work: a future; none
+def test_a_collective_a_rank_stalls_inside_fails_after_our_timeout_naming_the_ranks(op):
+    options = JobOptions(timeout_s=90, hide_output=True,
+                         env={"DDL_MAGIC_TIMEOUT": "3", "DDL_MAGIC_TORCH_PLANE": "gloo"})
+    with pytest.raises(RankFailedError) as failure:
+        Job(FunctionTask(one_rank_stalls_inside, {"op": op}), 2, LocalLauncher(), options).run()
+    error = failure.value
+    # ours, not gloo's own timeout 30 s later ("lost a peer": "Timed out waiting 33000ms")
+    assert error.rank == 0 and error.reason == "collective timed out", error
+    assert f"{op} over gloo did not complete within 3 s on ranks [0, 1]" in error.traceback
+    assert error.run.ranks[1].status == "stopped"  # the stalled rank ended by the driver
+
+
 class _StuckWork:
     """A collective that never completes (a rank stalled inside it)."""
 
@@ -226,22 +262,57 @@ class _StuckWork:
         return False
 
 
+class _StuckWorkWithoutFuture:
+    """The same, as gloo's flat reduce-scatter is: no future, `wait` the only way to know."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self):
+        if not self.released.wait(10):
+            raise RuntimeError("Timed out waiting 10000ms for recv operation to complete")
+
+
 def _plane(timeout_s: float) -> TorchDistributedPlane:
     world = single_process_world()
     return TorchDistributedPlane(DeviceGroup("gloo", object(), object(), world), timeout_s)
 
 
-def test_a_stalled_collective_times_out_naming_the_ranks():
-    with pytest.raises(CollectiveTimeoutError, match=r"allreduce over gloo did not complete within "
-                                                     r"0 s on ranks \[0\]"):
-        _plane(0.2)._wait(_StuckWork(), "allreduce")
+@pytest.mark.parametrize("work", [_StuckWork, _StuckWorkWithoutFuture])
+def test_a_stalled_collective_times_out_naming_the_ranks(work):
+    stuck = work()
+    try:
+        with pytest.raises(CollectiveTimeoutError, match=r"allreduce over gloo did not complete "
+                                                         r"within 0 s on ranks \[0\]"):
+            _plane(0.2)._wait(stuck, "allreduce")
+    finally:
+        getattr(stuck, "released", threading.Event()).set()
 
 
-def test_abort_ends_a_wait_at_once():
-    plane = _plane(60)
+@pytest.mark.parametrize("work", [_StuckWork, _StuckWorkWithoutFuture])
+def test_abort_ends_a_wait_at_once(work):
+    plane, stuck = _plane(60), work()
     threading.Timer(0.1, plane.abort, args=("the cell was stopped",)).start()
-    with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
-        plane._wait(_StuckWork(), "broadcast")
+    try:
+        with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
+            plane._wait(stuck, "broadcast")
+    finally:
+        getattr(stuck, "released", threading.Event()).set()
+
+
+def test_a_work_without_a_future_ends_the_wait_when_it_ends_and_its_error_is_read():
+    plane, stuck = _plane(60), _StuckWorkWithoutFuture()
+    threading.Timer(0.1, stuck.released.set).start()
+    plane._wait(stuck, "reducescatter")  # returns: the thread waiting for it woke the wait
+
+    failing = _StuckWorkWithoutFuture()
+    failing.wait = lambda: (_ for _ in ()).throw(RuntimeError("Connection closed by peer"))
+    with pytest.raises(HorovodInternalError, match="reducescatter over gloo failed on rank 0 "
+                                                   r"\(ring of ranks \[0\]\): Connection closed"):
+        plane._wait(failing, "reducescatter")
 
 
 def test_a_script_run_with_plain_python_honours_the_setting_too(monkeypatch):

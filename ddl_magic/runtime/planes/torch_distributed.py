@@ -33,11 +33,11 @@ user's default group (DDP's, the `ddl` backend's) is left as it is.
 Why every wait ends. A collective waits for its work in slices (`_wait`): it ends when the
 work completes, when `abort` is called from another thread (a pool's cell was stopped), or
 at the op timeout. Every rank had submitted the collective (the negotiation saw to that), so
-a timeout here means a rank stalled or died inside it: the group is aborted (NCCL: its
-communicator) and `CollectiveTimeoutError` names the ring's ranks. The group's own timeout
-is set later than ours, so ours is the one the user reads. (One wait of the stand-in cannot
-be sliced: gloo's flat reduce-scatter has neither a future nor a completion flag, so it
-blocks within gloo's own timeout.)
+a timeout here means a rank stalled or died inside it: an NCCL communicator is aborted, and
+`CollectiveTimeoutError` names the ring's ranks. The group's own timeout is set later than
+ours, so ours is the one the user reads. gloo's flat reduce-scatter has neither a future nor
+a completion flag: a thread of its own waits for it (`_WaitedInAThread`), so that its wait
+is sliced as the others are, and that thread ends at the latest with gloo's own timeout.
 
 The timeline. Each collective through the group is one event on a lane named as Horovod's
 timeline names them (`NCCL_ALLREDUCE`, `GLOO_BROADCAST`, ...), which the summaries count as
@@ -301,31 +301,33 @@ class TorchDistributedPlane:
     def _wait(self, work, what: str) -> None:
         """Wait for `work` until it completes, the plane is aborted, or the op timeout."""
         deadline = time.monotonic() + self._op_timeout
-        future = _future_of(work) if self.name == "gloo" else None
-        if future is not None:  # gloo completes futures from its own threads: be woken
-            future.add_done_callback(lambda _: self._wake.set())
-            done: Callable[[], bool] = future.done
-        elif self.name == "nccl":  # its end event is queried: GPU work has no host callback
-            done = work.is_completed
-        else:  # a gloo work with neither a future nor a completion flag (its flat
-            # reduce-scatter): `work.wait()` below blocks, bounded by the group's own timeout
-            done = _at_once
+        if self.name == "nccl":  # its end event is queried: GPU work has no host callback
+            done: Callable[[], bool] = work.is_completed
+        else:  # gloo ends its work on its own threads: be woken
+            future = _future_of(work)
+            if future is None:
+                work = _WaitedInAThread(work, self._wake)
+                done = work.is_completed
+            else:
+                future.add_done_callback(lambda _: self._wake.set())
+                done = future.done
         while not done():
             if self._aborted is not None:
                 raise CollectiveAbortedError(f"{what} over {self.name} aborted: {self._aborted}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._end_group()
+                ended = "; its NCCL communicator was aborted" if self.name == "nccl" else ""
                 raise CollectiveTimeoutError(
                     f"{what} over {self.name} did not complete within {self._op_timeout:.0f} s "
                     f"on ranks {list(self.device_group.world.run_ranks)}: every rank had submitted "
-                    "it, so a rank stalled or died inside it; the group was aborted "
+                    f"it, so a rank stalled or died inside it{ended} "
                     "(DDL_MAGIC_TIMEOUT sets the limit)")
-            if future is not None:
+            if self.name == "nccl":
+                time.sleep(POLL_S)
+            else:
                 self._wake.wait(min(remaining, 0.05))
                 self._wake.clear()
-            else:
-                time.sleep(POLL_S)
         try:
             work.wait()
         except RuntimeError as exc:  # a peer's connection broke inside the collective
@@ -334,7 +336,8 @@ class TorchDistributedPlane:
                 f"(ring of ranks {list(self.device_group.world.run_ranks)}): {exc}") from exc
 
     def _end_group(self) -> None:
-        """Abort the group so that nothing stays stuck inside it (NCCL: the communicator)."""
+        """Abort an NCCL communicator, so that nothing stays stuck inside it. (A gloo group
+        cannot be aborted: its waits end with its own timeout, `TIMEOUT_MARGIN_S` later.)"""
         if self.name == "nccl":
             try:
                 self._group.abort()
@@ -383,8 +386,30 @@ class SplitByDevicePlane:
         self.host.close()
 
 
-def _at_once() -> bool:
-    return True
+class _WaitedInAThread:
+    """A gloo work with neither a future nor a completion flag (its flat reduce-scatter),
+    waited for by a thread of its own, which wakes the plane's sliced wait when it ends."""
+
+    def __init__(self, work, wake: threading.Event):
+        self._work, self._wake = work, wake
+        self._ended = threading.Event()
+        self._error: RuntimeError | None = None
+        threading.Thread(target=self._wait_for_it, name="ddl-gloo-work", daemon=True).start()
+
+    def _wait_for_it(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as exc:  # raised again, on the plane's thread, by `wait`
+            self._error = exc
+        self._ended.set()
+        self._wake.set()
+
+    def is_completed(self) -> bool:
+        return self._ended.is_set()
+
+    def wait(self) -> None:
+        if self._error is not None:
+            raise self._error
 
 
 def _future_of(work):
