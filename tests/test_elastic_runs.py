@@ -21,7 +21,7 @@ def train_with_faults(log_dir, faults, steps=STEPS):
     that number SIGKILLs itself ("kill"), stops itself ("stop") or raises ("raise"), once (a marker file), or at that
     step and every later one; "kill_in_reset": that rank SIGKILLs itself in its first reset
     callback (the world was just re-formed; the others wait in the state's sync). Returns the
-    weights, the steps done and the world's size."""
+    weights, the steps done, the world's size and the plane its ring ended on."""
     import signal
 
     import torch
@@ -68,7 +68,9 @@ def train_with_faults(log_dir, faults, steps=STEPS):
         return {name: value.clone() for name, value in model.state_dict().items()}, state.step
 
     weights, done = train(state)
-    return weights, done, hvd.size()
+    from ddl_magic.runtime import context
+
+    return weights, done, hvd.size(), context.current("test").transport
 
 
 def expected_weights(steps=STEPS):
@@ -89,7 +91,7 @@ def expected_weights(steps=STEPS):
 def assert_trained_as_committed(result):
     import torch
 
-    weights, done, _ = result
+    weights, done, *_ = result
     assert done == STEPS
     for name, value in expected_weights().items():
         assert torch.allclose(weights[name], value, atol=1e-6), name
@@ -125,6 +127,16 @@ def test_a_killed_rank_is_replaced_and_training_goes_on_from_the_last_commit(tmp
     assert [r.status for r in runner.last_run.ranks] == ["done"] * np
     print(f"\nnp={np}, rank {killed} SIGKILLed: {kill_to_next_step_s(tmp_path):.2f} s from the "
           "kill to the next completed step (replacement included)")
+
+
+def test_a_killed_rank_is_replaced_where_the_ring_moves_its_bytes_through_torch_distributed(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DDL_MAGIC_TORCH_PLANE", "gloo")  # NCCL's code path, gloo standing in
+    runner, result = elastic_run(3, [("kill", 1, 5, True)], tmp_path, min_np=2)
+    assert_trained_as_committed(result)
+    assert result[2:] == (3, "gloo")  # the new world's ring formed a gloo group of its own
+    (reset,) = runner.last_run.resets
+    assert reset.left == (1,) and reset.joined == (2,)
 
 
 def test_two_ranks_lost_at_once_are_both_replaced_in_one_reset(tmp_path):
