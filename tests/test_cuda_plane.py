@@ -1,4 +1,5 @@
-"""CUDA tensors through every Horovod op and the `ddl` backend, on the planes a GPU user gets:
+"""CUDA tensors through every Horovod op, DistributedOptimizer, ZeRO-1, SyncBatchNorm and the
+`ddl` backend (DDP), on the planes a GPU user gets:
 NCCL (`DDL_MAGIC_TORCH_PLANE=nccl`) at np 1, and CUDA IPC between 2 ranks sharing one GPU
 (NCCL refuses two ranks on one GPU, so its np 2 runs where a machine has two).
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from ranks import run_on_ranks
-from test_torch_distributed_plane import every_op, through_the_ddl_backend
+from test_torch_distributed_plane import every_op, through_the_ddl_backend, what_users_train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,8 +27,10 @@ def cuda_against_cpu() -> dict:
     device = f"cuda:{hvd.local_rank() % torch.cuda.device_count()}"
     torch.cuda.set_device(device)
     on_gpu, _ = every_op(hvd, device)
+    on_gpu.update(what_users_train(hvd, device))
     on_gpu.update(through_the_ddl_backend(hvd.rank(), hvd.size(), device))
     on_cpu, _ = every_op(hvd)
+    on_cpu.update(what_users_train(hvd))
     on_cpu.update(through_the_ddl_backend(hvd.rank(), hvd.size()))
     mismatches = []
     for name, expected in on_cpu.items():

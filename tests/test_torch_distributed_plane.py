@@ -1,7 +1,8 @@
 """The torch.distributed plane, with gloo standing in for NCCL on CPU tensors.
 
-One launch of 3 ranks runs every Horovod op (and a process set's, and the `ddl` backend's)
-twice: with `DDL_MAGIC_TORCH_PLANE=gloo`, every buffer through a gloo group (the code path
+One launch of 3 ranks runs every Horovod op (and a process set's, and the `ddl` backend's),
+and trains a little with what users train with (DistributedOptimizer, ZeRO-1, SyncBatchNorm,
+DDP over `ddl`), twice: with `DDL_MAGIC_TORCH_PLANE=gloo`, every buffer through a gloo group (the code path
 CUDA tensors take through NCCL), then, after an elastic-style reset (`shutdown`, `init`), on
 the shared-memory plane. The results must agree: bit for bit for integers, within rounding
 for floats (the two sum in different orders). A rank that stalls inside a collective ends the
@@ -91,9 +92,32 @@ def every_op(hvd, device: str = "cpu") -> tuple[dict, str | None]:
     return {name: t.cpu() for name, t in results.items()}, set_transport
 
 
+def what_users_train(hvd, device: str = "cpu") -> dict:
+    """Three steps of a small model with SyncBatchNorm under DistributedOptimizer, and again
+    with its state sharded (ZeRO-1): name -> every weight and statistic it ends with. (SGD
+    with momentum: linear in the gradients, so planes that sum in other orders stay close.)"""
+    results = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), hvd.SyncBatchNorm(8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 1)).to(device)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters(),
+                                             shard_optimizer_state=sharded)
+        for step in range(3):
+            optimizer.zero_grad()
+            model(own(hvd.rank() + step, torch.float32, device=device)).square().mean().backward()
+            optimizer.step()
+        kind = "ZeRO-1" if sharded else "DistributedOptimizer"
+        results.update({f"{kind} {name}": value.cpu() for name, value in model.state_dict().items()})
+    return results
+
+
 def through_the_ddl_backend(rank: int, size: int, device: str = "cpu") -> dict:
-    """DDP's calls through `init_process_group("ddl")`, over whichever plane the ring has."""
+    """DDP's calls through `init_process_group("ddl")`, over whichever plane the ring has,
+    and two steps of DDP itself."""
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("ddl")
     try:
@@ -101,7 +125,15 @@ def through_the_ddl_backend(rank: int, size: int, device: str = "cpu") -> dict:
         dist.all_reduce(summed)
         gathered = [torch.empty(4, 3, device=device) for _ in range(size)]
         dist.all_gather(gathered, own(rank, torch.float32, device=device))
-        return {"ddl all_reduce": summed.cpu(), "ddl all_gather": torch.cat(gathered).cpu()}
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Linear(3, 2).to(device))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            optimizer.zero_grad()
+            model(own(rank + step, torch.float32, device=device)).square().mean().backward()
+            optimizer.step()
+        return {"ddl all_reduce": summed.cpu(), "ddl all_gather": torch.cat(gathered).cpu(),
+                **{f"DDP {name}": value.cpu() for name, value in model.module.state_dict().items()}}
     finally:
         dist.destroy_process_group()
 
@@ -118,6 +150,7 @@ def on_both_planes() -> dict:
         hvd.init()
         transport = context.current("test").transport
         results, set_transport = every_op(hvd)
+        results.update(what_users_train(hvd))
         results.update(through_the_ddl_backend(hvd.rank(), hvd.size()))
         runs[plane] = ((transport, set_transport), results)
         hvd.shutdown()  # as an elastic reset does: the next init() forms the ring anew
