@@ -1,8 +1,8 @@
 """The one-command GPU check, as it runs on a machine without a GPU (CI): it says "no GPU" in
-its report and its JSON, and exits 0; and `--on-cpu`, its every step tried on the CPU in an
-environment like a lent GPU machine's (PyTorch's stack; no IPython, Spark or plotly; the
-project not installed). On a GPU it runs the CUDA tests and benchmarks
-(`benchmarks/gpu_check.py`), far too long for CI."""
+its report and its JSON, and exits 0; a Python without torch is refused, saying what to do;
+and `--on-cpu`, its every step tried on the CPU in an environment like a lent GPU machine's
+(PyTorch's stack; no IPython, Spark or plotly; the project not installed). On a GPU it runs
+the CUDA tests and benchmarks (`benchmarks/gpu_check.py`), far too long for CI."""
 
 import json
 import os
@@ -26,13 +26,26 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 def test_without_a_gpu_the_check_says_so_and_exits_0(tmp_path):
-    finished = subprocess.run([sys.executable, "benchmarks/gpu_check.py", str(tmp_path / "out")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finished = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT,
+                              env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
+                              text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr
+    assert "installing" not in finished.stdout  # this Python has ddl_magic: left as it is
     report = (tmp_path / "out" / "gpu_check.md").read_text()
     assert "no GPU" in report and "no GPU" in finished.stdout
     results = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert results["gpu"] is False and results["steps"] == []
+
+
+def test_a_python_without_torch_is_named_with_what_to_do(tmp_path):
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "bare")  # no torch, nothing installed
+    finished = subprocess.run(["bash", str(ROOT / "benchmarks/gpu_check.sh"), str(tmp_path / "out")],
+                              cwd=tmp_path, env={**os.environ, "PYTHON": "bare/bin/python"},
+                              capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2 and not (tmp_path / "out").exists()
+    assert finished.stderr == (f"gpu_check: '{tmp_path}/bare/bin/python' cannot import torch. Name the "
+                               "Python that holds PyTorch: PYTHON=/path/to/bin/python bash "
+                               "benchmarks/gpu_check.sh OUTDIR\n")
 
 
 def like_a_gpu_machine(folder: Path) -> Path:
