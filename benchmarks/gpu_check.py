@@ -21,8 +21,8 @@ with its own time limit (about 8 minutes in all on one H100):
 3. ``benchmarks/gpu_check_train_step.py``: the MNIST CNN's training step, ours against DDP
    over NCCL.
 
-Writes ``OUTDIR/gpu_check.md`` (the report), ``OUTDIR/gpu_check.json`` and each step's log.
-Exits 0 when every step passed, 1 otherwise. Without a GPU it writes "no GPU" into the report
+Writes ``OUTDIR/gpu_check.md`` (the report), ``OUTDIR/gpu_check.json`` and each step's log,
+the report again before each step (a check stopped from outside leaves what it did). Exits 0 when every step passed, 1 otherwise. Without a GPU it writes "no GPU" into the report
 and the JSON and exits 0: nothing here can be checked on a CPU (CI runs the same code paths
 with gloo standing in for NCCL). ``--on-cpu`` runs every step there all the same, as short as
 it goes (the CUDA tests collected, the benchmarks on ``--device cpu``): it checks that the
@@ -133,10 +133,17 @@ def describe_machine() -> dict:
     return machine
 
 
-def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) -> bool:
-    """The report (Markdown) and the JSON; whether everything passed."""
-    passed = bool(steps) and all(step.passed for step in steps)
-    if not machine["gpus"] and steps:
+def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float,
+                 not_run: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """The report (Markdown) and the JSON: (its verdict, whether everything passed).
+
+    Written again after every step, `not_run` naming the steps still to come: a check stopped
+    from outside (the device machine's own time limit) leaves the report of what it did."""
+    passed = bool(steps) and all(step.passed for step in steps) and not not_run
+    if not_run:
+        verdict = (f"INCOMPLETE after {wall_s:.0f} s: not run (yet): {', '.join(not_run)}; the check "
+                   "was stopped, or is still running")
+    elif not machine["gpus"] and steps:
         verdict = (f"no GPU: every step tried on the CPU (--on-cpu), "
                    f"{'PASSED' if passed else 'FAILED'} in {wall_s:.0f} s; nothing on a GPU was checked")
     elif not machine["gpus"]:
@@ -159,6 +166,7 @@ def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) 
                   "```", step.summary, "```"]
     (outdir / "gpu_check.md").write_text("\n".join(lines) + "\n")
     results = {"verdict": verdict, "gpu": bool(machine["gpus"]), "passed": passed if steps else None,
+               "not_run": list(not_run),
                "wall_s": wall_s, "machine": machine, "steps": [asdict(step) for step in steps]}
     for name in ("allreduce", "train_step"):  # the benchmarks' own JSON, beside the report
         path = ROOT / "benchmarks" / "results" / f"{name}.json" if name == "allreduce" \
@@ -166,6 +174,12 @@ def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) 
         if machine["gpus"] and path.exists():
             results[name] = json.loads(path.read_text())
     (outdir / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    return verdict, passed
+
+
+def report(outdir: Path, machine: dict, steps: list[Step], wall_s: float) -> bool:
+    """The final report, said on the terminal too; whether everything passed."""
+    verdict, passed = write_report(outdir, machine, steps, wall_s)
     print(verdict)
     print(f"report: {outdir / 'gpu_check.md'}")
     return passed
@@ -183,14 +197,16 @@ def main() -> int:
     started = time.monotonic()
     machine = describe_machine()
     if not machine["gpus"] and not args.on_cpu:
-        write_report(args.outdir, machine, [], time.monotonic() - started)
+        report(args.outdir, machine, [], time.monotonic() - started)
         return 0
     steps = steps_for(args.outdir.resolve(), args.quick, "cuda" if machine["gpus"] else "cpu")
-    for step in steps:
+    for done, step in enumerate(steps, 1):
+        write_report(args.outdir, machine, steps[:done - 1], time.monotonic() - started,
+                     not_run=tuple(later.name for later in steps[done - 1:]))
         print(f"{step.name} (at most {step.limit_s:.0f} s) ...", flush=True)
         run_step(step, args.outdir)
         print(f"  {'passed' if step.passed else 'FAILED'} in {step.wall_s:.0f} s", flush=True)
-    return 0 if write_report(args.outdir, machine, steps, time.monotonic() - started) else 1
+    return 0 if report(args.outdir, machine, steps, time.monotonic() - started) else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ import torch
 from ranks import run_on_ranks
 from test_torch_distributed_plane import every_op, through_the_ddl_backend, what_users_train
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Triton compiles each kernel the first time a rank uses it (dozens of dtypes and ops, on a
+# cold cache): a run may take minutes where it takes seconds after. Its own timeout (which
+# names the ranks) comes before pytest's, both within the GPU check's step limit (240 s).
+RUN_TIMEOUT_S = 220
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(RUN_TIMEOUT_S + 20)]
 
 
 def cuda_against_cpu() -> dict:
@@ -43,19 +48,19 @@ def cuda_against_cpu() -> dict:
 
 
 def test_every_op_on_cuda_tensors_through_nccl_at_np_1():
-    [report] = run_on_ranks(cuda_against_cpu, 1, env={"DDL_MAGIC_TORCH_PLANE": "nccl"}, timeout_s=300)
+    [report] = run_on_ranks(cuda_against_cpu, 1, env={"DDL_MAGIC_TORCH_PLANE": "nccl"}, timeout_s=RUN_TIMEOUT_S)
     assert report == {"transport": "none+nccl", "mismatches": []}
 
 
 def test_every_op_on_cuda_tensors_through_cuda_ipc_at_np_2():
-    for report in run_on_ranks(cuda_against_cpu, 2, timeout_s=300):
+    for report in run_on_ranks(cuda_against_cpu, 2, timeout_s=RUN_TIMEOUT_S):
         assert report == {"transport": "shm", "mismatches": []}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
 def test_every_op_on_cuda_tensors_through_nccl_at_np_2():
     for report in run_on_ranks(cuda_against_cpu, 2, env={"DDL_MAGIC_TORCH_PLANE": "nccl"},
-                               timeout_s=300):
+                               timeout_s=RUN_TIMEOUT_S):
         assert report == {"transport": "shm+nccl", "mismatches": []}
 
 

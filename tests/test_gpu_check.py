@@ -6,11 +6,13 @@ the CUDA tests and benchmarks (`benchmarks/gpu_check.py`), far too long for CI."
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import time
 import venv
 from pathlib import Path
 
@@ -46,6 +48,25 @@ def test_a_python_without_torch_is_named_with_what_to_do(tmp_path):
     assert finished.stderr == (f"gpu_check: '{tmp_path}/bare/bin/python' cannot import torch. Name the "
                                "Python that holds PyTorch: PYTHON=/path/to/bin/python bash "
                                "benchmarks/gpu_check.sh OUTDIR\n")
+
+
+def test_a_check_stopped_from_outside_leaves_the_report_of_what_it_did(tmp_path):
+    process = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", str(tmp_path), "--on-cpu"],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "cuda_tests.log").exists():  # the first step has begun
+            assert process.poll() is None and time.monotonic() < deadline, "the first step never began"
+            time.sleep(0.05)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # as the device machine's time limit ends it
+        process.wait()
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert re.search(r"INCOMPLETE after \d+ s: not run \(yet\): CUDA tests, allreduce on CPU "
+                     r"tensors, MNIST CNN step", report), report
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["passed"] is None and len(results["not_run"]) == 3
 
 
 def like_a_gpu_machine(folder: Path) -> Path:
