@@ -13,6 +13,7 @@ waits' deadline and abort are pure logic and small fakes, tested without process
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from pathlib import Path
 
@@ -294,12 +295,18 @@ class _StuckWork:
     def is_completed(self):
         return False
 
+    def release(self):
+        """Nothing waits on it (a thread would, on the one below)."""
+
 
 class _StuckWorkWithoutFuture:
     """The same, as gloo's flat reduce-scatter is: no future, `wait` the only way to know."""
 
     def __init__(self):
         self.released = threading.Event()
+
+    def release(self):
+        self.released.set()  # ends the thread that waits for it
 
     def get_future(self):
         raise RuntimeError("Work::getFuture not implemented.")
@@ -322,7 +329,31 @@ def test_a_stalled_collective_times_out_naming_the_ranks(work):
                                                          r"within 0 s on ranks \[0\]"):
             _plane(0.2)._wait(stuck, "allreduce")
     finally:
-        getattr(stuck, "released", threading.Event()).set()
+        stuck.release()
+
+
+class _Communicator:
+    """An NCCL group as far as a timeout touches it: `abort`, which may fail."""
+
+    def __init__(self, failure: str | None = None):
+        self.failure, self.aborted = failure, False
+
+    def abort(self):
+        if self.failure:
+            raise RuntimeError(self.failure)
+        self.aborted = True
+
+
+@pytest.mark.parametrize("failure", [None, "NCCL error: unhandled system error"])
+def test_on_nccl_a_timeout_aborts_the_communicator_and_says_how_that_went(failure):
+    communicator = _Communicator(failure)
+    plane = TorchDistributedPlane(DeviceGroup("nccl", communicator, object(), single_process_world()), 0.2)
+    ended = f"; aborting its NCCL communicator failed: {failure}" if failure else \
+        "; its NCCL communicator was aborted"
+    with pytest.raises(CollectiveTimeoutError, match=r"allreduce over nccl did not complete within 0 s "
+                                                     r"on ranks \[0\]: .* inside it" + re.escape(ended)):
+        plane._wait(_StuckWork(), "allreduce")  # its end event is polled, as CUDA work's is
+    assert communicator.aborted == (failure is None)
 
 
 @pytest.mark.parametrize("work", [_StuckWork, _StuckWorkWithoutFuture])
@@ -333,12 +364,12 @@ def test_abort_ends_a_wait_at_once(work):
         with pytest.raises(CollectiveAbortedError, match="the cell was stopped"):
             plane._wait(stuck, "broadcast")
     finally:
-        getattr(stuck, "released", threading.Event()).set()
+        stuck.release()
 
 
 def test_a_work_without_a_future_ends_the_wait_when_it_ends_and_its_error_is_read():
     plane, stuck = _plane(60), _StuckWorkWithoutFuture()
-    threading.Timer(0.1, stuck.released.set).start()
+    threading.Timer(0.1, stuck.release).start()
     plane._wait(stuck, "reducescatter")  # returns: the thread waiting for it woke the wait
 
     failing = _StuckWorkWithoutFuture()

@@ -316,8 +316,7 @@ class TorchDistributedPlane:
                 raise CollectiveAbortedError(f"{what} over {self.name} aborted: {self._aborted}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._end_group()
-                ended = "; its NCCL communicator was aborted" if self.name == "nccl" else ""
+                ended = self._end_group()
                 raise CollectiveTimeoutError(
                     f"{what} over {self.name} did not complete within {self._op_timeout:.0f} s "
                     f"on ranks {list(self.device_group.world.run_ranks)}: every rank had submitted "
@@ -335,15 +334,17 @@ class TorchDistributedPlane:
                 f"{what} over {self.name} failed on rank {self.device_group.world.run_ranks[self._rank]} "
                 f"(ring of ranks {list(self.device_group.world.run_ranks)}): {exc}") from exc
 
-    def _end_group(self) -> None:
-        """Abort an NCCL communicator, so that nothing stays stuck inside it. (A gloo group
-        cannot be aborted: its waits end with its own timeout, `TIMEOUT_MARGIN_S` later.)"""
-        if self.name == "nccl":
-            try:
-                self._group.abort()
-            except RuntimeError as exc:
-                print(f"ddl_magic note: aborting the NCCL communicator failed: {exc}",
-                      file=sys.stderr, flush=True)
+    def _end_group(self) -> str:
+        """Abort an NCCL communicator, so that nothing stays stuck inside it; what was done,
+        as the end of the timeout's sentence. (A gloo group cannot be aborted: its waits end
+        with its own timeout, `TIMEOUT_MARGIN_S` later.)"""
+        if self.name != "nccl":
+            return ""
+        try:
+            self._group.abort()
+        except RuntimeError as exc:
+            return f"; aborting its NCCL communicator failed: {exc}"
+        return "; its NCCL communicator was aborted"
 
 
 class SplitByDevicePlane:
