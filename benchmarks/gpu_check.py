@@ -21,9 +21,10 @@ with its own time limit (about 8 minutes in all on one H100):
 3. ``benchmarks/gpu_check_train_step.py``: the MNIST CNN's training step, ours against DDP
    over NCCL.
 
-Writes ``OUTDIR/gpu_check.md`` (the report), ``OUTDIR/gpu_check.json`` and each step's log,
-the report again before each step (a check stopped from outside leaves what it did). Exits 0 when every step passed, 1 otherwise. Without a GPU it writes "no GPU" into the report
-and the JSON and exits 0: nothing here can be checked on a CPU (CI runs the same code paths
+Writes ``OUTDIR/gpu_check.md`` (the report), ``OUTDIR/gpu_check.json`` and each step's log;
+the report also before each step, so a check stopped from outside leaves what it did. Exits
+0 when every step passed, 1 otherwise. Without a GPU it writes "no GPU" into the report and
+the JSON and exits 0: nothing here can be checked on a CPU (CI runs the same code paths
 with gloo standing in for NCCL). ``--on-cpu`` runs every step there all the same, as short as
 it goes (the CUDA tests collected, the benchmarks on ``--device cpu``): it checks that the
 steps start and finish in an environment like the GPU machine's, before its minutes are
@@ -137,7 +138,7 @@ def write_report(outdir: Path, machine: dict, steps: list[Step], wall_s: float,
                  not_run: tuple[str, ...] = ()) -> tuple[str, bool]:
     """The report (Markdown) and the JSON: (its verdict, whether everything passed).
 
-    Written again after every step, `not_run` naming the steps still to come: a check stopped
+    Written before each step too, `not_run` naming the steps still to come: a check stopped
     from outside (the device machine's own time limit) leaves the report of what it did."""
     passed = bool(steps) and all(step.passed for step in steps) and not not_run
     if not_run:
@@ -200,9 +201,9 @@ def main() -> int:
         report(args.outdir, machine, [], time.monotonic() - started)
         return 0
     steps = steps_for(args.outdir.resolve(), args.quick, "cuda" if machine["gpus"] else "cpu")
-    for done, step in enumerate(steps, 1):
-        write_report(args.outdir, machine, steps[:done - 1], time.monotonic() - started,
-                     not_run=tuple(later.name for later in steps[done - 1:]))
+    for index, step in enumerate(steps):
+        write_report(args.outdir, machine, steps[:index], time.monotonic() - started,
+                     not_run=tuple(later.name for later in steps[index:]))
         print(f"{step.name} (at most {step.limit_s:.0f} s) ...", flush=True)
         run_step(step, args.outdir)
         print(f"  {'passed' if step.passed else 'FAILED'} in {step.wall_s:.0f} s", flush=True)

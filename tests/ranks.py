@@ -9,6 +9,13 @@ from ddl_magic.launch.local import LocalLauncher
 from ddl_magic.wire.tasks import FunctionTask
 
 
+CUDA_RUN_TIMEOUT_S = 220
+"""A run on CUDA tensors: Triton compiles each kernel the first time a rank uses it (dozens
+of dtypes and ops, on a cold cache), so a first run may take minutes where it takes seconds
+after. The tests' own pytest limit is above it (the run's timeout names the ranks), and both
+within the GPU check's step limit (240 s)."""
+
+
 def run_on_ranks(function, np: int, timeout_s: float = 90, env: dict | None = None, **kwargs) -> list:
     """`function(**kwargs)` on `np` local ranks; the list of their return values, in rank order."""
     options = JobOptions(timeout_s=timeout_s, return_all=True, hide_output=True, env=env or {})

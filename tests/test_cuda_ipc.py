@@ -19,14 +19,10 @@ from ddl_magic.driver.run_result import RankFailedError
 from ddl_magic.launch.local import LocalLauncher
 from ddl_magic.wire.tasks import FunctionTask
 
-from ranks import run_on_ranks
+from ranks import CUDA_RUN_TIMEOUT_S, run_on_ranks
 
-# Triton compiles each kernel the first time a rank uses it (dozens of dtypes and ops, on a
-# cold cache): a run may take minutes where it takes seconds after. Its own timeout (which
-# names the ranks) comes before pytest's, both within the GPU check's step limit (240 s).
-RUN_TIMEOUT_S = 220
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.timeout(RUN_TIMEOUT_S + 20)]
+              pytest.mark.timeout(CUDA_RUN_TIMEOUT_S + 20)]
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64]
 SIZES = [1, 7, 1001, 300_001, 3_000_001]  # one phase, two phases, several rounds
@@ -57,7 +53,7 @@ def reduce_on_gpus():
 
 
 def test_cuda_tensors_are_reduced_through_peer_mapped_gpu_memory_alike_on_every_rank():
-    for report in run_on_ranks(reduce_on_gpus, 2, timeout_s=RUN_TIMEOUT_S):
+    for report in run_on_ranks(reduce_on_gpus, 2, timeout_s=CUDA_RUN_TIMEOUT_S):
         assert report == {"failures": [], "ipc": True, "identical": True}
 
 

@@ -13,15 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ranks import run_on_ranks
+from ranks import CUDA_RUN_TIMEOUT_S, run_on_ranks
 from test_torch_distributed_plane import every_op, through_the_ddl_backend, what_users_train
 
-# Triton compiles each kernel the first time a rank uses it (dozens of dtypes and ops, on a
-# cold cache): a run may take minutes where it takes seconds after. Its own timeout (which
-# names the ranks) comes before pytest's, both within the GPU check's step limit (240 s).
-RUN_TIMEOUT_S = 220
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-              pytest.mark.timeout(RUN_TIMEOUT_S + 20)]
+              pytest.mark.timeout(CUDA_RUN_TIMEOUT_S + 20)]
 
 
 def cuda_against_cpu() -> dict:
@@ -48,19 +44,19 @@ def cuda_against_cpu() -> dict:
 
 
 def test_every_op_on_cuda_tensors_through_nccl_at_np_1():
-    [report] = run_on_ranks(cuda_against_cpu, 1, env={"DDL_MAGIC_TORCH_PLANE": "nccl"}, timeout_s=RUN_TIMEOUT_S)
+    [report] = run_on_ranks(cuda_against_cpu, 1, env={"DDL_MAGIC_TORCH_PLANE": "nccl"}, timeout_s=CUDA_RUN_TIMEOUT_S)
     assert report == {"transport": "none+nccl", "mismatches": []}
 
 
 def test_every_op_on_cuda_tensors_through_cuda_ipc_at_np_2():
-    for report in run_on_ranks(cuda_against_cpu, 2, timeout_s=RUN_TIMEOUT_S):
+    for report in run_on_ranks(cuda_against_cpu, 2, timeout_s=CUDA_RUN_TIMEOUT_S):
         assert report == {"transport": "shm", "mismatches": []}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
 def test_every_op_on_cuda_tensors_through_nccl_at_np_2():
     for report in run_on_ranks(cuda_against_cpu, 2, env={"DDL_MAGIC_TORCH_PLANE": "nccl"},
-                               timeout_s=RUN_TIMEOUT_S):
+                               timeout_s=CUDA_RUN_TIMEOUT_S):
         assert report == {"transport": "shm+nccl", "mismatches": []}
 
 
